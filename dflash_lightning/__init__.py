@@ -1,0 +1,1 @@
+"""Train DFlash block-diffusion drafters for speculative decoding with PyTorch Lightning."""
