@@ -1,0 +1,113 @@
+"""The block rules of DFLASH.md sections 3-4: anchors, block inputs, labels, slot weights, block mask.
+
+One implementation of each rule, used by training, evaluation and export; every tensor has a fixed
+shape set by the token budget T, the anchor count A and the block size B, so the step compiles once.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask
+
+
+def slot_weights(block_size: int, gamma: float, device: torch.device | str | None = None) -> Tensor:
+    """Loss weight of each slot: 0 for slot 0, exp(-(k-1)/gamma) for slot k >= 1.  # [B]"""
+    k = torch.arange(block_size, dtype=torch.float32, device=device)
+    return torch.where(k == 0, torch.zeros_like(k), torch.exp(-(k - 1) / gamma))
+
+
+def anchor_candidates(loss_mask: Tensor, doc_ids: Tensor) -> Tensor:
+    """Positions p where p and p+1 are both supervised and in the same document.  # [T] bool"""
+    nxt_same_doc = (doc_ids[:-1] == doc_ids[1:]) & (doc_ids[:-1] >= 0)
+    ok = loss_mask[:-1] & loss_mask[1:] & nxt_same_doc
+    return torch.cat([ok, ok.new_zeros(1)])
+
+
+def select_anchors(
+    loss_mask: Tensor, doc_ids: Tensor, num_anchors: int, generator: torch.Generator | None = None
+) -> tuple[Tensor, Tensor]:
+    """Sample `num_anchors` candidates uniformly without replacement, in a fixed shape.
+
+    Returns anchors `[A]` sorted by position (unused slots last) and their validity `[A]`; random
+    scores plus `topk` replace `nonzero`/`randperm`, whose output sizes depend on the data.
+    """
+    candidates = anchor_candidates(loss_mask, doc_ids)  # [T]
+    scores = torch.rand(candidates.shape, generator=generator, device=candidates.device)
+    scores = torch.where(candidates, scores, -1.0)
+    top, idx = torch.topk(scores, num_anchors)  # [A]
+    valid = top >= 0
+    # Sorting keeps neighbouring query tiles on neighbouring contexts, so the block mask stays sparse.
+    order = torch.argsort(torch.where(valid, idx, idx + candidates.numel()))
+    return idx[order], valid[order]
+
+
+def block_positions(anchors: Tensor, block_size: int) -> Tensor:
+    """Packed-sequence index of every slot: anchor + k.  # [A, B]"""
+    return anchors[:, None] + torch.arange(block_size, device=anchors.device)
+
+
+def block_input_ids(input_ids: Tensor, anchors: Tensor, block_size: int, mask_token_id: int) -> Tensor:
+    """Block tokens `[token_p, MASK, ..., MASK]` for every anchor.  # [A, B]"""
+    ids = torch.full((anchors.numel(), block_size), mask_token_id, dtype=input_ids.dtype, device=input_ids.device)
+    ids[:, 0] = input_ids[anchors]
+    return ids
+
+
+def block_labels(
+    input_ids: Tensor,
+    loss_mask: Tensor,
+    doc_ids: Tensor,
+    anchors: Tensor,
+    anchor_valid: Tensor,
+    weights_per_slot: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """Labels `[A, B]` (the data token at anchor + k) and their loss weights `[A, B]`.
+
+    A weight is 0 for slot 0, for labels outside the loss mask, past the document or the budget,
+    and for invalid anchors; otherwise it is the slot's weight.
+    """
+    total = input_ids.numel()
+    pos = block_positions(anchors, weights_per_slot.numel())  # [A, B]
+    inside = pos < total
+    pos = pos.clamp(max=total - 1)
+    supervised = inside & loss_mask[pos] & (doc_ids[pos] == doc_ids[anchors][:, None]) & anchor_valid[:, None]
+    return input_ids[pos], weights_per_slot[None, :] * supervised
+
+
+def block_mask_mod(doc_ids: Tensor, anchors: Tensor, anchor_valid: Tensor, block_size: int):
+    """flex_attention mask over keys `[context (T); blocks (A*B)]` for queries `[blocks (A*B)]`.
+
+    A block sees its document's context strictly before its anchor and its own B tokens both ways;
+    never another block, another document, or padding.
+    """
+    context_len = doc_ids.numel()
+    anchor_doc = doc_ids[anchors]  # [A]
+
+    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        block = q_idx // block_size
+        is_context = kv_idx < context_len
+        ctx = kv_idx.clamp(max=context_len - 1)
+        sees_context = (
+            is_context & anchor_valid[block] & (doc_ids[ctx] == anchor_doc[block]) & (ctx < anchors[block])
+        )
+        sees_block = ~is_context & ((kv_idx - context_len) // block_size == block)
+        return sees_context | sees_block
+
+    return mask_mod
+
+
+def build_block_mask(
+    doc_ids: Tensor, anchors: Tensor, anchor_valid: Tensor, block_size: int, tile: int = 128
+) -> BlockMask | Tensor:
+    """The mask of `block_mask_mod` for one packed batch: a BlockMask, or a dense `[A*B, T+A*B]` on CPU.
+
+    flex_attention has no backward on the CPU, so there the same mask_mod is materialised for SDPA.
+    """
+    queries = anchors.numel() * block_size
+    mask_mod = block_mask_mod(doc_ids, anchors, anchor_valid, block_size)
+    keys = doc_ids.numel() + queries
+    if doc_ids.device.type == "cpu":
+        return create_mask(mask_mod, None, None, queries, keys, device="cpu")[0, 0]
+    return create_block_mask(mask_mod, None, None, queries, keys, device=doc_ids.device, BLOCK_SIZE=tile)
+

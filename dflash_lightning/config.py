@@ -1,0 +1,174 @@
+"""The drafter's configuration and how it is derived from the target's (DFLASH.md sections 1, 2, 7b).
+
+Every size the drafter shares with the target is read from the target's config unless set here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+# Loss decay per block size (DFLASH.md section 4); other block sizes must set gamma explicitly.
+DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot work, named by its field."""
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """Target layers whose outputs feed the drafter: `[L // 2]` for one layer, else spread over 1..L-3."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+@dataclass
+class DrafterConfig:
+    """Shape of a DFlash drafter; fields left None are copied from the target's config."""
+
+    num_layers: int = 1
+    """Number of drafter decoder layers (n); also the number of target layers used unless ids are given."""
+    block_size: int = 16
+    """Tokens per drafted block (B): the anchor token plus B-1 masked slots."""
+    mask_token_id: int | None = None
+    """Embedding row used as MASK; None: the first row past the tokenizer's tokens."""
+    target_layer_ids: list[int] | None = None
+    """Target decoder layers whose outputs form the context feature; None: the DFlash default spread."""
+    gamma: float | None = None
+    """Loss decay over slots, w_k = exp(-(k-1)/gamma); None: 7 for B=16, 5 for B=10, 4 for B=8."""
+    hidden_size: int | None = None
+    """Drafter width H; must equal the target's (the head and embedding are the target's)."""
+    intermediate_size: int | None = None
+    """MLP width; None: the target's."""
+    num_attention_heads: int | None = None
+    """Query heads; None: the target's."""
+    num_key_value_heads: int | None = None
+    """Key/value heads (grouped-query attention); None: the target's."""
+    head_dim: int | None = None
+    """Per-head width; None: the target's (or hidden_size // heads)."""
+    rms_norm_eps: float | None = None
+    """RMSNorm epsilon; None: the target's."""
+    rope_theta: float | None = None
+    """RoPE base; None: the target's."""
+    rope_scaling: dict[str, Any] | None = None
+    """RoPE scaling dict (llama3, yarn, linear, ...); None: the target's."""
+    max_position_embeddings: int | None = None
+    """Longest position the RoPE tables cover; None: the target's."""
+    vocab_size: int | None = None
+    """Rows of the target's embedding and head; None: the target's."""
+    num_target_layers: int | None = None
+    """Decoder layers of the target (L); None: the target's."""
+    attention_bias: bool = False
+    """Bias on q/k/v/o projections (Qwen3: no)."""
+
+    def resolved(self, target_config: Any, tokenizer_len: int | None = None) -> DrafterConfig:
+        """Fill every None from the target's Hugging Face config and check the result."""
+        tc = target_config
+        text = getattr(tc, "text_config", None) or tc  # multimodal targets keep the LM config inside
+        rope_theta, rope_scaling = _rope_settings(text)
+        heads = self.num_attention_heads or text.num_attention_heads
+        values = dict(
+            hidden_size=self.hidden_size or text.hidden_size,
+            intermediate_size=self.intermediate_size or text.intermediate_size,
+            num_attention_heads=heads,
+            num_key_value_heads=self.num_key_value_heads or getattr(text, "num_key_value_heads", None) or heads,
+            head_dim=self.head_dim or getattr(text, "head_dim", None) or text.hidden_size // heads,
+            rms_norm_eps=self.rms_norm_eps or getattr(text, "rms_norm_eps", 1e-6),
+            rope_theta=self.rope_theta or rope_theta,
+            rope_scaling=self.rope_scaling if self.rope_scaling is not None else rope_scaling,
+            max_position_embeddings=self.max_position_embeddings or text.max_position_embeddings,
+            vocab_size=self.vocab_size or text.vocab_size,
+            num_target_layers=self.num_target_layers or text.num_hidden_layers,
+        )
+        out = DrafterConfig(**{**asdict(self), **values})
+        if out.hidden_size != text.hidden_size:
+            raise ConfigError(
+                f"drafter hidden_size ({out.hidden_size}) must equal the target's hidden_size "
+                f"({text.hidden_size}): the drafter uses the target's embedding and head"
+            )
+        if out.vocab_size != text.vocab_size:
+            raise ConfigError(f"vocab_size ({out.vocab_size}) must equal the target's ({text.vocab_size})")
+        if out.target_layer_ids is None:
+            out.target_layer_ids = default_target_layer_ids(out.num_target_layers, out.num_layers)
+        if out.mask_token_id is None:
+            if tokenizer_len is None or tokenizer_len >= out.vocab_size:
+                raise ConfigError(
+                    f"mask_token_id: the tokenizer has {tokenizer_len} tokens and the embedding "
+                    f"{out.vocab_size} rows, so there is no spare row for MASK; set mask_token_id"
+                )
+            out.mask_token_id = tokenizer_len
+        out.check(tokenizer_len)
+        return out
+
+    def check(self, tokenizer_len: int | None = None) -> None:
+        """Raise ConfigError naming the field of any value that cannot work."""
+        if self.num_layers < 1:
+            raise ConfigError(f"num_layers must be >= 1, got {self.num_layers}")
+        if self.block_size < 2:
+            raise ConfigError(f"block_size must be >= 2 (an anchor and one drafted slot), got {self.block_size}")
+        if self.gamma is None and self.block_size not in DEFAULT_GAMMA:
+            raise ConfigError(f"gamma: no default for block_size {self.block_size}; set gamma")
+        if self.gamma is not None and self.gamma <= 0:
+            raise ConfigError(f"gamma must be > 0, got {self.gamma}")
+        if self.num_target_layers is not None and self.target_layer_ids is not None:
+            if not self.target_layer_ids:
+                raise ConfigError("target_layer_ids must not be empty")
+            bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
+            if bad:
+                raise ConfigError(
+                    f"target_layer_ids {bad} out of range: the target has {self.num_target_layers} "
+                    f"layers (valid ids 0..{self.num_target_layers - 1})"
+                )
+        if self.mask_token_id is not None and self.vocab_size is not None:
+            if not 0 <= self.mask_token_id < self.vocab_size:
+                raise ConfigError(
+                    f"mask_token_id {self.mask_token_id} is outside the target's embedding "
+                    f"(vocab_size {self.vocab_size})"
+                )
+            if tokenizer_len is not None and self.mask_token_id < tokenizer_len:
+                raise ConfigError(
+                    f"mask_token_id {self.mask_token_id} is a token the tokenizer emits (it has "
+                    f"{tokenizer_len} tokens); use a row past them, e.g. {tokenizer_len}"
+                )
+        if self.hidden_size is not None and self.num_attention_heads is not None:
+            if self.num_attention_heads % (self.num_key_value_heads or self.num_attention_heads):
+                raise ConfigError(
+                    f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                    f"num_key_value_heads ({self.num_key_value_heads})"
+                )
+
+    @property
+    def num_context_layers(self) -> int:
+        """K: how many target layers are concatenated into one context feature."""
+        assert self.target_layer_ids is not None, "resolve the config against a target first"
+        return len(self.target_layer_ids)
+
+    @property
+    def loss_gamma(self) -> float:
+        """Gamma of the slot weights, with the per-block-size default."""
+        return self.gamma if self.gamma is not None else DEFAULT_GAMMA[self.block_size]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict of every field (for checkpoints and export)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _rope_settings(text_config: Any) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling) from a config of either transformers 4 or 5 style."""
+    params = getattr(text_config, "rope_parameters", None)
+    if isinstance(params, dict) and "rope_theta" in params:
+        theta = float(params["rope_theta"])
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+        if scaling.get("rope_type", scaling.get("type", "default")) == "default":
+            scaling = None
+        return theta, scaling
+    theta = float(getattr(text_config, "rope_theta", 10000.0))
+    scaling = getattr(text_config, "rope_scaling", None)
+    if scaling and scaling.get("rope_type", scaling.get("type")) == "default":
+        scaling = None
+    return theta, (dict(scaling) if scaling else None)
+
+
+__all__ = ["ConfigError", "DrafterConfig", "default_target_layer_ids"]

@@ -1,0 +1,52 @@
+"""Draft quality metrics (DFLASH.md section 5) as one torchmetrics Metric.
+
+Top-k hits are counted from the head's top-k token ids, never through a `[tokens, vocab]` one-hot.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torchmetrics import Metric
+
+
+class DraftMetrics(Metric):
+    """Per-slot top-k accuracy and the acceptance-length estimates of drafted blocks."""
+
+    full_state_update = False
+
+    def __init__(self, block_size: int, topk: tuple[int, ...] = (1, 5, 10), **kwargs) -> None:
+        super().__init__(**kwargs)
+        if 1 not in topk:
+            raise ValueError(f"topk must include 1 (plain accuracy), got {topk}")
+        self.block_size, self.topk = block_size, tuple(sorted(topk))
+        self.add_state("hits", torch.zeros(len(self.topk), block_size), dist_reduce_fx="sum")  # [k, B]
+        self.add_state("slots", torch.zeros(block_size), dist_reduce_fx="sum")  # [B]
+        self.add_state("accepted", torch.zeros(()), dist_reduce_fx="sum")
+        self.add_state("blocks", torch.zeros(()), dist_reduce_fx="sum")
+
+    def update(self, top_ids: Tensor, labels: Tensor, weights: Tensor) -> None:
+        """Count hits of `top_ids [A, B, k]` (best first) against `labels [A, B]` where `weights > 0`."""
+        supervised = weights > 0  # [A, B]
+        match = top_ids == labels[..., None]  # [A, B, kmax]
+        for i, k in enumerate(self.topk):
+            self.hits[i] += (match[..., :k].any(-1) & supervised).sum(0).float()
+        self.slots += supervised.sum(0).float()
+        correct = match[..., 0] & supervised
+        # Accepted prefix: consecutive correct slots from slot 1; only blocks with a valid anchor count.
+        valid_block = supervised[:, 1]
+        self.accepted += (correct[:, 1:].int().cumprod(-1).sum(-1) * valid_block).sum().float()
+        self.blocks += valid_block.sum().float()
+
+    def compute(self) -> dict[str, Tensor]:
+        """acc per slot and top-k, tau (mean accepted prefix + 1) and the coarse product estimate."""
+        acc = self.hits / self.slots.clamp_min(1)  # [k, B]
+        out = {}
+        for i, k in enumerate(self.topk):
+            name = "acc" if k == 1 else f"top{k}"
+            out[name] = acc[i, 1:].mean()
+            for slot in range(1, self.block_size):
+                out[f"{name}/slot_{slot:02d}"] = acc[i, slot]
+        out["tau"] = 1 + self.accepted / self.blocks.clamp_min(1)
+        out["tau_coarse"] = 1 + acc[0, 1:].cumprod(0).sum()
+        return out

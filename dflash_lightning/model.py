@@ -1,0 +1,275 @@
+"""The DFlash drafter (DFLASH.md section 2): fc + hidden_norm over target features, Qwen3-style layers.
+
+Every layer injects the context as extra keys/values made with its own k/v projections; queries come
+from block tokens only. The input embedding and output head are the target's, frozen, held as
+non-persistent buffers so that they never enter a checkpoint or an optimizer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+from dflash_lightning.blocks import block_input_ids, block_labels, build_block_mask
+from dflash_lightning.config import DrafterConfig
+from dflash_lightning.loss import chunked_head_loss
+
+
+class RMSNorm(nn.Module):
+    """Qwen3's RMSNorm: normalise in fp32, scale in the input dtype."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE with the target's settings; cos/sin are computed from positions on the fly."""
+
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__()
+        inv_freq, self.scaling = rope_inv_freq(config)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos, sin for integer positions `[N]`.  # [N, head_dim] each"""
+        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+
+
+def rope_inv_freq(config: DrafterConfig) -> tuple[Tensor, float]:
+    """Inverse frequencies and attention scaling for the configured RoPE type (HF conventions)."""
+    dim = config.head_dim
+    scaling = config.rope_scaling or {}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        return 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)), 1.0
+    from transformers import Qwen3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf = Qwen3Config(
+        hidden_size=config.hidden_size,
+        num_attention_heads=config.num_attention_heads,
+        head_dim=dim,
+        max_position_embeddings=config.max_position_embeddings,
+        rope_theta=config.rope_theta,
+        rope_scaling={**scaling, "rope_type": rope_type},
+    )
+    params = getattr(hf, "rope_parameters", None)
+    if isinstance(params, dict):  # transformers 5 folds theta into rope_parameters
+        params.setdefault("rope_theta", config.rope_theta)
+    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, None)
+    return inv_freq.float(), float(attention_scaling)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate `x [N, heads, D]` by positions' cos/sin `[N, D]` (rotate-half convention)."""
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    """Grouped-query attention of block queries over [context K/V; block K/V]."""
+
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, d
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=bias)
+        self.q_norm = RMSNorm(d, config.rms_norm_eps)
+        self.k_norm = RMSNorm(d, config.rms_norm_eps)
+
+    def query(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """Rotated, normed queries of block tokens.  # [N, heads, D]"""
+        q = self.q_norm(self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim)))
+        return apply_rope(q, cos, sin)
+
+    def key_value(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """Rotated, normed keys and values of context vectors or block tokens.  # [N, kv_heads, D] each"""
+        k = self.k_norm(self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim)))
+        v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        return apply_rope(k, cos, sin), v
+
+    def forward(
+        self, x: Tensor, context: Tensor, rope_block: tuple[Tensor, Tensor], rope_context: tuple[Tensor, Tensor],
+        block_mask: BlockMask | Tensor,
+    ) -> Tensor:
+        """Training attention of all blocks `x [A*B, H]` over the packed context `[T, H]`."""
+        q = self.query(x, *rope_block)
+        k_ctx, v_ctx = self.key_value(context, *rope_context)
+        k_blk, v_blk = self.key_value(x, *rope_block)
+        k = torch.cat([k_ctx, k_blk]).transpose(0, 1)[None]  # [1, kv_heads, T + A*B, D]
+        v = torch.cat([v_ctx, v_blk]).transpose(0, 1)[None]
+        out = _flex(q.transpose(0, 1)[None], k, v, block_mask)  # [1, heads, A*B, D]
+        return self.o_proj(out[0].transpose(0, 1).flatten(1))
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """Dense attention of `q [N, heads, D]` over all of `k, v [M, kv_heads, D]` (serving path)."""
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], enable_gqa=True
+        )
+        return self.o_proj(out[0].transpose(0, 1).flatten(1))
+
+
+def _flex(q: Tensor, k: Tensor, v: Tensor, block_mask: BlockMask | Tensor) -> Tensor:
+    """flex_attention; on CUDA outside a compiled region the kernel itself is compiled (never unfused).
+
+    A dense boolean mask (the CPU form of the same block mask) goes through SDPA instead.
+    """
+    if isinstance(block_mask, Tensor):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=block_mask, enable_gqa=True)
+    if q.is_cuda and not torch.compiler.is_compiling():
+        return _compiled_flex()(q, k, v, block_mask=block_mask, enable_gqa=True)
+    return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+
+
+_COMPILED_FLEX = None
+
+
+def _compiled_flex():
+    global _COMPILED_FLEX
+    if _COMPILED_FLEX is None:
+        _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
+    return _COMPILED_FLEX
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward."""
+
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm Qwen3 layer; the context skips input_layernorm and the MLP."""
+
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x: Tensor, context: Tensor, rope_block, rope_context, block_mask: BlockMask | Tensor) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), context, rope_block, rope_context, block_mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+@dataclass
+class DraftOutput:
+    """What one training forward returns; `topk` is None unless asked for."""
+
+    loss: Tensor
+    """Weighted cross-entropy, sum(w * CE) / sum(w)."""
+    weights: Tensor
+    """Loss weight of every slot.  # [A, B]"""
+    labels: Tensor
+    """Target token of every slot.  # [A, B]"""
+    topk: Tensor | None
+    """Top-k predicted tokens of every slot, best first.  # [A, B, k]"""
+
+
+class DFlashDrafter(nn.Module):
+    """A DFlash drafter; its state dict holds exactly the exported weights (DFLASH.md section 7)."""
+
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__()
+        assert config.target_layer_ids is not None and config.mask_token_id is not None, "resolve config first"
+        self.config = config
+        h = config.hidden_size
+        self.fc = nn.Linear(config.num_context_layers * h, h, bias=False)
+        self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(h, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config)
+        # The target's embedding and head rows, frozen and never saved: set by `set_target_io`.
+        self.register_buffer("embed_weight", None, persistent=False)
+        self.register_buffer("head_weight", None, persistent=False)
+        self.head_chunk_size = 4096
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        """Initialise linear layers as Hugging Face does (normal, std 0.02) and norms to one."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+
+    def set_target_io(self, embed_weight: Tensor, head_weight: Tensor) -> None:
+        """Attach the target's frozen input embedding `[V, H]` and output head `[V, H]`."""
+        expected = (self.config.vocab_size, self.config.hidden_size)
+        for name, w in (("embedding", embed_weight), ("head", head_weight)):
+            if tuple(w.shape) != expected:
+                raise ValueError(f"target {name} has shape {tuple(w.shape)}, the drafter expects {expected}")
+        self.embed_weight = embed_weight.detach()
+        self.head_weight = head_weight.detach()
+
+    def context(self, features: Tensor) -> Tensor:
+        """Context vectors `c` from concatenated target features `[T, K*H]`.  # [T, H]"""
+        return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+
+    def embed(self, ids: Tensor) -> Tensor:
+        """Target embedding of token ids, in the drafter's dtype."""
+        return F.embedding(ids, self.embed_weight).to(self.fc.weight.dtype)
+
+    def block_hidden(
+        self, features: Tensor, input_ids: Tensor, position_ids: Tensor, doc_ids: Tensor,
+        anchors: Tensor, anchor_valid: Tensor,
+    ) -> Tensor:
+        """Final-normed hidden state of every slot of every anchor's block.  # [A, B, H]"""
+        B = self.config.block_size
+        context = self.context(features)  # [T, H]
+        x = self.embed(block_input_ids(input_ids, anchors, B, self.config.mask_token_id)).flatten(0, 1)  # [A*B, H]
+        pos_block = (position_ids[anchors][:, None] + torch.arange(B, device=anchors.device)).flatten()
+        rope_block = self.rotary(pos_block, x.dtype)
+        rope_context = self.rotary(position_ids, x.dtype)
+        block_mask = build_block_mask(doc_ids, anchors, anchor_valid, B)
+        for layer in self.layers:
+            x = layer(x, context, rope_block, rope_context, block_mask)
+        return self.norm(x).unflatten(0, (anchors.numel(), B))
+
+    def forward(
+        self, features: Tensor, input_ids: Tensor, position_ids: Tensor, doc_ids: Tensor, loss_mask: Tensor,
+        anchors: Tensor, anchor_valid: Tensor, slot_weights: Tensor, topk: int = 0,
+    ) -> DraftOutput:
+        """One training forward over a packed batch: blocks, weighted CE through the chunked frozen head."""
+        hidden = self.block_hidden(features, input_ids, position_ids, doc_ids, anchors, anchor_valid)
+        labels, weights = block_labels(input_ids, loss_mask, doc_ids, anchors, anchor_valid, slot_weights)
+        loss, top = chunked_head_loss(
+            hidden.flatten(0, 1), self.head_weight, labels.flatten(), weights.flatten(), self.head_chunk_size, topk
+        )
+        return DraftOutput(loss, weights, labels, None if top is None else top.unflatten(0, labels.shape))
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """Full logits through the frozen head (serving and tests, not the training step)."""
+        return hidden @ self.head_weight.to(hidden.dtype).T
+
+
+__all__ = ["DFlashDrafter", "DraftOutput", "RMSNorm", "apply_rope"]

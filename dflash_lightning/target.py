@@ -1,0 +1,186 @@
+"""The frozen target: its context features (DFLASH.md section 1) and the callback that serves them.
+
+Only the target's first `max(layer_ids) + 1` decoder layers are built and run; no final norm or LM
+head is computed to make features. The target never enters the LightningModule or its checkpoint.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torch import Tensor, nn
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_model_dir(path: str) -> Path:
+    """A local model folder as is, or a hub id resolved through the local Hugging Face cache."""
+    local = Path(path).expanduser()
+    if local.is_dir():
+        return local
+    if local.exists() or path.startswith((".", "/", "~")) or path.count("/") != 1:
+        raise FileNotFoundError(f"target: no model folder at '{path}'")
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]))
+
+
+def load_target_config(path: str) -> Any:
+    """The target's Hugging Face config (its text config for multimodal targets)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(resolve_model_dir(path))
+    return getattr(config, "text_config", None) or config
+
+
+def tokenizer_length(path: str) -> int:
+    """Number of token ids the target's tokenizer can emit."""
+    from transformers import AutoTokenizer
+
+    return len(AutoTokenizer.from_pretrained(resolve_model_dir(path)))
+
+
+def load_target_io(path: str) -> tuple[Tensor, Tensor]:
+    """The target's input embedding and LM head weights `[V, H]`, read alone from its safetensors."""
+    from safetensors import safe_open
+
+    folder = resolve_model_dir(path)
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+    else:
+        single = folder / "model.safetensors"
+        if not single.exists():
+            raise FileNotFoundError(f"target: no model.safetensors or index in {folder}")
+        with safe_open(single, "pt") as f:
+            weight_map = {k: single.name for k in f.keys()}  # noqa: SIM118
+
+    def find(suffix: str) -> str | None:
+        hits = sorted(k for k in weight_map if k.endswith(suffix) and "vision" not in k)
+        return hits[0] if hits else None
+
+    embed_key, head_key = find("embed_tokens.weight"), find("lm_head.weight")
+    if embed_key is None:
+        raise KeyError(f"target: no '*embed_tokens.weight' tensor in {folder}")
+    head_key = head_key or embed_key  # tied embeddings
+
+    def read(key: str) -> Tensor:
+        with safe_open(folder / weight_map[key], "pt") as f:
+            return f.get_tensor(key)
+
+    return read(embed_key), read(head_key)
+
+
+class FeatureExtractor(nn.Module):
+    """A truncated frozen target that returns the concatenated outputs of its `layer_ids`."""
+
+    def __init__(self, model: nn.Module, layer_ids: list[int], num_target_layers: int) -> None:
+        super().__init__()
+        self.model, self.layer_ids = model, list(layer_ids)
+        self._captured: dict[int, Tensor] = {}
+        layers = _decoder_layers(model)
+        for j in sorted(set(self.layer_ids)):
+            layers[j].register_forward_hook(self._capture(j))
+        # hidden_states[L] in HF numbering is normed; only the last layer's output needs the final norm.
+        self.last_layer = num_target_layers - 1
+        self.final_norm = getattr(model, "norm", None)
+        self.requires_grad_(False).eval()
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str, layer_ids: list[int], dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str = "cpu", attn_implementation: str = "sdpa",
+    ) -> FeatureExtractor:
+        """Load only the decoder layers the features need (no final norm use, no LM head)."""
+        from transformers import AutoConfig, AutoModel
+
+        folder = resolve_model_dir(path)
+        config = AutoConfig.from_pretrained(folder)
+        text = getattr(config, "text_config", None) or config
+        total = text.num_hidden_layers
+        keep = max(layer_ids) + 1
+        truncated = copy.deepcopy(config)
+        t_text = getattr(truncated, "text_config", None) or truncated
+        t_text.num_hidden_layers = keep
+        if isinstance(getattr(t_text, "layer_types", None), list):
+            t_text.layer_types = t_text.layer_types[:keep]
+        model = AutoModel.from_pretrained(
+            folder, config=truncated, dtype=dtype, attn_implementation=attn_implementation
+        )
+        model = getattr(model, "language_model", model)
+        return cls(model, layer_ids, total).to(device)
+
+    def _capture(self, j: int):
+        def hook(_module: nn.Module, _args: Any, output: Any) -> None:
+            self._captured[j] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    @torch.no_grad()
+    def forward(self, input_ids: Tensor, position_ids: Tensor) -> Tensor:
+        """Context features of a packed row `[T]`: per-document causal attention.  # [T, K*H]"""
+        # Positions restarting at 0 mark document starts; transformers then masks across documents.
+        self._captured.clear()
+        self.model(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False)
+        outs = [self._captured[j][0] for j in self.layer_ids]
+        outs = [
+            self.final_norm(o) if j == self.last_layer and self.final_norm is not None else o
+            for j, o in zip(self.layer_ids, outs, strict=True)
+        ]
+        self._captured.clear()
+        return torch.cat(outs, dim=-1)
+
+
+def _decoder_layers(model: nn.Module) -> nn.ModuleList:
+    for name in ("layers", "h", "blocks"):
+        layers = getattr(model, name, None)
+        if isinstance(layers, nn.ModuleList):
+            return layers
+    raise TypeError(f"cannot find the decoder layers of {type(model).__name__}")
+
+
+class TargetFeatures(Callback):
+    """Owns the frozen target and puts each batch's context features into it before the step."""
+
+    def __init__(
+        self,
+        path: str,
+        dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16",
+        placement: Literal["colocated"] = "colocated",
+        attn_implementation: str = "sdpa",
+    ) -> None:
+        """
+        Args:
+            path: Hugging Face model folder or hub id of the target.
+            dtype: Dtype the target runs in.
+            placement: Where the target runs; `colocated`: on the trainer's own device.
+            attn_implementation: transformers attention backend of the target (sdpa, eager, flex_attention).
+        """
+        self.path, self.dtype, self.placement, self.attn_implementation = path, dtype, placement, attn_implementation
+        self.extractor: FeatureExtractor | None = None
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self.extractor is not None:
+            return
+        layer_ids = pl_module.drafter_config.target_layer_ids
+        self.extractor = FeatureExtractor.from_pretrained(
+            self.path, layer_ids, DTYPES[self.dtype], trainer.strategy.root_device, self.attn_implementation
+        )
+
+    def add_features(self, batch: dict[str, Tensor]) -> None:
+        """Write `context_features [T, K*H]` into the batch."""
+        assert self.extractor is not None, "TargetFeatures.setup has not run"
+        batch["context_features"] = self.extractor(batch["input_ids"], batch["position_ids"])
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self.add_features(batch)
+
+    def on_validation_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        self.add_features(batch)

@@ -1,0 +1,59 @@
+"""Tiny stand-in targets built in the test session: a Qwen3 model and a ChatML tokenizer, offline."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+WORDS = (
+    "the a of to and in is it that for on with as was by this be are or an at from which but not have "
+    "what does do explain python function returns value list string number file object class module"
+).split()
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def make_tokenizer(folder: Path):
+    """A word-level ChatML tokenizer over a small vocabulary, saved to `folder`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"]
+    vocab = {t: i for i, t in enumerate(specials + WORDS + ["\n", "user", "assistant", "system", "?", ".", ","])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split("\n", "isolated"), pre_tokenizers.WhitespaceSplit()]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token="<unk>",
+        additional_special_tokens=["<|im_start|>"],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(folder)
+    return fast
+
+
+def make_target(folder: Path, layers: int = 6, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
+                vocab_extra: int = 8, seed: int = 0, **overrides) -> Path:
+    """A random tiny Qwen3 causal LM plus tokenizer in `folder` (vocab has spare rows for MASK)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    tok = make_tokenizer(folder)
+    config = Qwen3Config(
+        vocab_size=len(tok) + vocab_extra, hidden_size=hidden, intermediate_size=2 * hidden,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads,
+        max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False, **overrides,
+    )
+    torch.manual_seed(seed)
+    Qwen3ForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tmp_path_factory) -> Path:
+    """Path of a session-wide tiny random Qwen3 target."""
+    return make_target(tmp_path_factory.mktemp("target"))

@@ -1,0 +1,27 @@
+"""Packed-batch builders shared by the tests."""
+
+from __future__ import annotations
+
+import torch
+
+
+def packed_batch(doc_lengths: list[int], total: int, vocab: int = 40, seed: int = 0,
+                 supervise_from: int = 2) -> dict[str, torch.Tensor]:
+    """A packed row of `total` tokens: documents laid out from 0, padding after; loss mask from a prefix on."""
+    g = torch.Generator().manual_seed(seed)
+    ids, pos, doc, mask = [], [], [], []
+    for d, n in enumerate(doc_lengths):
+        ids += torch.randint(4, vocab, (n,), generator=g).tolist()
+        pos += list(range(n))
+        doc += [d] * n
+        mask += [i >= min(supervise_from, n - 1) for i in range(n)]
+    pad = total - len(ids)
+    assert pad >= 0
+    ids += [0] * pad
+    pos += list(range(pad))
+    doc += [-1] * pad
+    mask += [False] * pad
+    return {
+        "input_ids": torch.tensor(ids), "position_ids": torch.tensor(pos),
+        "doc_ids": torch.tensor(doc, dtype=torch.int32), "loss_mask": torch.tensor(mask),
+    }

@@ -1,0 +1,108 @@
+"""Anchors, labels, slot weights and the block mask against plain references built from DFLASH.md."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers import packed_batch
+from torch.nn.attention.flex_attention import create_block_mask, create_mask, flex_attention
+
+from dflash_lightning.blocks import (
+    block_input_ids,
+    block_labels,
+    block_mask_mod,
+    build_block_mask,
+    select_anchors,
+    slot_weights,
+)
+
+
+def reference_mask(doc_ids: list[int], anchors: list[int], valid: list[bool], block: int) -> torch.Tensor:
+    """Dense [A*B, T + A*B] visibility, element by element, from the rules of section 3."""
+    total, n_blocks = len(doc_ids), len(anchors)
+    mask = torch.zeros(n_blocks * block, total + n_blocks * block, dtype=torch.bool)
+    for a, p in enumerate(anchors):
+        for k in range(block):
+            q = a * block + k
+            for j in range(total):  # context: same document, strictly before the anchor
+                mask[q, j] = valid[a] and doc_ids[j] == doc_ids[p] and j < p
+            for k2 in range(block):  # own block, both directions
+                mask[q, total + a * block + k2] = True
+    return mask
+
+
+@pytest.mark.parametrize("docs,total,num_anchors,block", [
+    ([20, 7, 30], 64, 12, 4),          # several documents plus padding
+    ([5, 5, 5, 5], 24, 10, 8),         # anchors near document ends, more slots than candidates
+    ([64], 64, 20, 16),                # one document filling the budget
+])
+def test_block_mask_matches_dense_reference(docs, total, num_anchors, block):
+    batch = packed_batch(docs, total, seed=len(docs))
+    anchors, valid = select_anchors(batch["loss_mask"], batch["doc_ids"], num_anchors, torch.Generator().manual_seed(1))
+    mask_mod = block_mask_mod(batch["doc_ids"], anchors, valid, block)
+    q_len, kv_len = num_anchors * block, total + num_anchors * block
+    dense = create_mask(mask_mod, None, None, q_len, kv_len, device="cpu")[0, 0]
+    expected = reference_mask(batch["doc_ids"].tolist(), anchors.tolist(), valid.tolist(), block)
+    assert torch.equal(dense, expected)
+    # The sparse BlockMask drives flex_attention to the same result as dense attention under that mask.
+    q, k, v = (torch.randn(1, 2, n, 8, dtype=torch.float64) for n in (q_len, kv_len, kv_len))
+    sparse = create_block_mask(mask_mod, None, None, q_len, kv_len, device="cpu", BLOCK_SIZE=16)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=expected)
+    torch.testing.assert_close(flex_attention(q, k, v, block_mask=sparse), ref)
+    # On the CPU the step uses the same rule materialised densely.
+    assert torch.equal(build_block_mask(batch["doc_ids"], anchors, valid, block), expected)
+
+
+def test_padding_sees_nothing_and_is_seen_by_nothing():
+    batch = packed_batch([10, 6], 32)
+    anchors, valid = select_anchors(batch["loss_mask"], batch["doc_ids"], 8)
+    dense = create_mask(block_mask_mod(batch["doc_ids"], anchors, valid, 4), None, None, 32, 64, device="cpu")[0, 0]
+    assert not dense[:, 16:32].any()  # padding context keys
+    assert (batch["doc_ids"][anchors[valid]] >= 0).all()  # no block is anchored on padding
+
+
+def test_anchors_valid_positions_fixed_shape_and_uniform():
+    batch = packed_batch([12, 9, 3], 40, supervise_from=4)
+    mask, doc = batch["loss_mask"], batch["doc_ids"]
+    candidates = {p for p in range(39) if mask[p] and mask[p + 1] and doc[p] == doc[p + 1] and doc[p] >= 0}
+    counts = torch.zeros(40)
+    for seed in range(400):
+        anchors, valid = select_anchors(mask, doc, 16, torch.Generator().manual_seed(seed))
+        assert anchors.shape == (16,) and valid.shape == (16,)
+        chosen = anchors[valid].tolist()
+        assert set(chosen) <= candidates and len(set(chosen)) == len(chosen) == min(16, len(candidates))
+        assert chosen == sorted(chosen) and not valid[len(chosen):].any()  # valid first, sorted
+        counts[chosen] += 1
+    # 16 slots >= candidates here, so every candidate is always chosen.
+    assert all(counts[p] == 400 for p in candidates)
+    few = [select_anchors(mask, doc, 3, torch.Generator().manual_seed(s))[0] for s in range(600)]
+    freq = torch.bincount(torch.cat(few), minlength=40)[sorted(candidates)].float() / 600
+    torch.testing.assert_close(freq, torch.full_like(freq, 3 / len(candidates)), atol=0.08, rtol=0)
+
+
+def test_slot_weights():
+    w = slot_weights(16, 7.0)
+    assert w[0] == 0
+    for k in range(1, 16):
+        assert math.isclose(w[k].item(), math.exp(-(k - 1) / 7.0), rel_tol=1e-6)
+
+
+def test_block_inputs_labels_and_weights():
+    batch = packed_batch([6, 5], 16, supervise_from=1)
+    ids, mask, doc = batch["input_ids"], batch["loss_mask"], batch["doc_ids"]
+    anchors = torch.tensor([1, 4, 7, 0])
+    valid = torch.tensor([True, True, True, False])
+    w_slot = slot_weights(4, 4.0)
+    labels, weights = block_labels(ids, mask, doc, anchors, valid, w_slot)
+    blocks = block_input_ids(ids, anchors, 4, mask_token_id=99)
+    for a, p in enumerate(anchors.tolist()):
+        assert blocks[a, 0] == ids[p] and (blocks[a, 1:] == 99).all()
+        for k in range(4):
+            j = p + k
+            ok = valid[a] and k > 0 and j < 16 and doc[j] == doc[p] and mask[j]
+            assert weights[a, k] == (w_slot[k] if ok else 0), (a, k)
+            if ok:
+                assert labels[a, k] == ids[j]
+    assert weights[1, 2:].eq(0).all()  # anchor 4 of the 6-token document: slots past its end are 0
