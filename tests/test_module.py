@@ -1,0 +1,79 @@
+"""DFlashModule: compiled and eager steps agree, buffers are fixed-shape, bad configs fail early."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import packed_batch
+
+from dflash_lightning.config import ConfigError, DrafterConfig
+from dflash_lightning.module import DFlashModule
+from dflash_lightning.target import FeatureExtractor
+
+
+def make_module(target, compile: bool = False, **kw) -> DFlashModule:
+    kw = {"token_budget": 64, "num_anchors": 8, **kw}
+    module = DFlashModule(str(target), DrafterConfig(num_layers=2, block_size=8), compile=compile, **kw)
+    module.configure_model()
+    return module
+
+
+def batch_with_features(target, layer_ids, token_budget=64):
+    batch = packed_batch([30, 20] if token_budget >= 50 else [20, 20], token_budget, vocab=50)
+    batch["context_features"] = FeatureExtractor.from_pretrained(str(target), layer_ids, torch.float32)(
+        batch["input_ids"], batch["position_ids"]
+    )
+    return batch
+
+
+def test_compiled_and_eager_give_the_same_loss_and_grads(tiny_target):
+    torch.manual_seed(0)
+    eager = make_module(tiny_target)
+    compiled = make_module(tiny_target, compile=True)
+    compiled.load_state_dict(eager.state_dict())
+    compiled.configure_model()  # idempotent: a second call changes nothing
+    assert list(compiled.state_dict()) == list(eager.state_dict())  # no _orig_mod. in keys
+    batch = batch_with_features(tiny_target, eager.drafter_config.target_layer_ids)
+    losses, grads = [], []
+    for module in (eager, compiled):
+        out = module.step(batch, topk=5, generator=torch.Generator().manual_seed(3))
+        out.loss.backward()
+        losses.append(out.loss.detach())
+        grads.append(module.drafter.fc.weight.grad.clone())
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-5)
+    assert losses[0] > 0
+
+
+def test_batch_of_wrong_shape_is_refused(tiny_target):
+    module = make_module(tiny_target)
+    batch = batch_with_features(tiny_target, module.drafter_config.target_layer_ids, token_budget=48)
+    with pytest.raises(ValueError, match="input_ids.*expected \\(64,\\)"):
+        module.step(batch)
+
+
+def test_checkpoint_has_only_drafter_weights(tiny_target):
+    module = make_module(tiny_target)
+    keys = set(module.state_dict())
+    assert "drafter.fc.weight" in keys and "drafter.layers.1.mlp.down_proj.weight" in keys
+    assert not any("embed" in k or "head" in k or "buffers_" in k for k in keys)
+
+
+@pytest.mark.parametrize("drafter,kw,message", [
+    (DrafterConfig(hidden_size=32), {}, "hidden_size \\(32\\) must equal the target's hidden_size \\(64\\)"),
+    (DrafterConfig(target_layer_ids=[1, 6]), {}, "target_layer_ids \\[6\\] out of range"),
+    (DrafterConfig(mask_token_id=999), {}, "mask_token_id 999 is outside the target's embedding"),
+    (DrafterConfig(mask_token_id=5), {}, "mask_token_id 5 is a token the tokenizer emits"),
+    (DrafterConfig(block_size=1), {}, "block_size must be >= 2"),
+    (DrafterConfig(block_size=16), {"token_budget": 8}, "token_budget \\(8\\) must be >= block_size \\(16\\)"),
+    (DrafterConfig(), {"num_anchors": 0}, "num_anchors must be in 1..token_budget"),
+    (DrafterConfig(block_size=12), {}, "gamma: no default for block_size 12"),
+])
+def test_bad_configs_fail_before_any_compute(tiny_target, drafter, kw, message):
+    with pytest.raises(ConfigError, match=message):
+        DFlashModule(str(tiny_target), drafter, **{"token_budget": 64, **kw})
+
+
+def test_missing_target_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no model folder at"):
+        DFlashModule(str(tmp_path / "nope"))

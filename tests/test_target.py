@@ -1,0 +1,38 @@
+"""Target features: packed rows give each document's own `hidden_states[j + 1]`; embedding and head."""
+
+from __future__ import annotations
+
+import torch
+from helpers import packed_batch
+from transformers import AutoModelForCausalLM
+
+from dflash_lightning.target import FeatureExtractor, load_target_io
+
+
+def test_features_of_packed_documents_equal_per_document_hidden_states(tiny_target):
+    layer_ids = [1, 3, 5]  # 5 is the last layer: HF numbering gives its normed output
+    extractor = FeatureExtractor.from_pretrained(str(tiny_target), layer_ids, torch.float32)
+    assert len(extractor.model.layers) == 6
+    extractor2 = FeatureExtractor.from_pretrained(str(tiny_target), [0, 2], torch.float32)
+    assert len(extractor2.model.layers) == 3  # nothing past max(ids) is built
+    full = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
+    docs = [11, 7, 19]
+    batch = packed_batch(docs, 48, vocab=50)
+    feats = extractor(batch["input_ids"], batch["position_ids"])
+    feats2 = extractor2(batch["input_ids"], batch["position_ids"])
+    assert feats.shape == (48, 3 * 64)
+    start = 0
+    for n in docs:
+        with torch.no_grad():
+            hs = full(batch["input_ids"][None, start:start + n], output_hidden_states=True).hidden_states
+        expected = torch.cat([hs[j + 1][0] for j in layer_ids], -1)
+        torch.testing.assert_close(feats[start:start + n], expected, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(feats2[start:start + n], torch.cat([hs[1][0], hs[3][0]], -1), rtol=1e-4, atol=1e-4)
+        start += n
+
+
+def test_target_io_reads_embedding_and_head(tiny_target):
+    full = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32)
+    embed, head = load_target_io(str(tiny_target))
+    assert torch.equal(embed, full.get_input_embeddings().weight)
+    assert torch.equal(head, full.lm_head.weight)
