@@ -1,0 +1,393 @@
+"""`DFlashDataModule`: conversation files -> tokenized samples (in `setup`) -> one packed fixed-shape row
+per batch, repacked every epoch, resumable mid-epoch through `state_dict`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_only
+from lightning.pytorch import LightningDataModule
+from lightning.pytorch.trainer.states import TrainerFn
+from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
+
+from dflash_lightning.data.conversations import (
+    DataError,
+    TokenizedSamples,
+    resolve_files,
+    tokenize_files,
+)
+from dflash_lightning.data.packing import (
+    EpochPacker,
+    PackedBatch,
+    collate_documents,
+    pack_documents,
+    padding_fraction,
+    shard_rows,
+)
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
+
+CACHE_VERSION = 1  # bump when tokenization changes meaning, so old caches are not reused
+
+
+def _rank_zero(level: int, message: str) -> None:
+    if getattr(rank_zero_only, "rank", 0) == 0:
+        log.log(level, message)
+
+
+class _Rows:
+    """Collates packed rows of tokenized documents into `PackedBatch`es."""
+
+    def __init__(self, samples: TokenizedSamples, token_budget: int, max_documents: int, pad_id: int) -> None:
+        self.samples = samples
+        self.token_budget = token_budget
+        self.max_documents = max_documents
+        self.pad_id = pad_id
+
+    def collate(self, row: list[int]) -> PackedBatch:
+        docs = [self.samples.document(i) for i in row]
+        return collate_documents(docs, self.token_budget, self.max_documents, self.pad_id)
+
+
+class _ValRows(_Rows, Dataset):
+    """Map-style: row i of a fixed packing (Lightning shards it across processes with its sampler)."""
+
+    def __init__(self, rows: list[list[int]], *args: Any) -> None:
+        super().__init__(*args)
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> PackedBatch:
+        return self.collate(self.rows[i])
+
+
+class _TrainRows(_Rows, IterableDataset):
+    """The rows this process serves in the current pass; `_TrainLoader` sets them before each pass."""
+
+    def __init__(self, length: int, *args: Any) -> None:
+        super().__init__(*args)
+        self.length = length  # batches per epoch and process, the same in every epoch
+        self.rows: list[list[int]] = []
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __iter__(self) -> Iterator[PackedBatch]:
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        # round-robin over workers is the order in which the DataLoader collects them: order is kept
+        for j in range(worker, len(self.rows), workers):
+            yield self.collate(self.rows[j])
+
+
+class _TrainLoader(DataLoader):
+    """Asks the datamodule, in the main process, which rows to serve before every pass, and counts batches."""
+
+    def __init__(self, datamodule: DFlashDataModule, dataset: _TrainRows, **kwargs: Any) -> None:
+        super().__init__(dataset, batch_size=None, **kwargs)
+        self.datamodule = datamodule
+
+    def __iter__(self) -> Iterator[PackedBatch]:  # type: ignore[override]
+        self.dataset.rows = self.datamodule._begin_train_pass()  # type: ignore[attr-defined]
+        for batch in super().__iter__():
+            self.datamodule._count_train_batch(batch)
+            yield batch
+        self.datamodule._end_train_pass()
+
+    # Stateful like the datamodule (same state), so that Lightning knows this loader resumes mid-epoch
+    def state_dict(self) -> dict[str, int]:
+        return self.datamodule.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        self.datamodule.load_state_dict(state_dict)
+
+
+class DFlashDataModule(LightningDataModule):
+    """Chat conversations -> assistant-masked tokens -> one packed row of `token_budget` tokens per batch.
+
+    A batch is a `PackedBatch` dict of CPU tensors: `input_ids` int64 [T], `position_ids` int64 [T],
+    `doc_ids` int32 [T] (-1 on padding), `loss_mask` bool [T], `doc_lengths` int32 [D].
+
+    Args:
+        train_files: Training data: .jsonl/.json (JSON lines), .parquet, `save_to_disk` folders or globs.
+        val_files: Validation data in the same forms; None for no validation.
+        tokenizer: The target's tokenizer, a local folder or hub id; its chat template renders the records.
+        format: Record format: OpenAI "messages", ShareGPT "conversations", or "auto" to detect per record.
+        enable_thinking: Passed to the chat template as `enable_thinking` when not None.
+        token_budget: Tokens per packed row, T; every batch has exactly this many.
+        max_documents: Most documents in one packed row, D (the length of `doc_lengths`).
+        max_length: Conversations are truncated to this many tokens; None means token_budget.
+        block_size: Drafter block size; samples with fewer than 2 * block_size supervised tokens are dropped.
+        shuffle_buffer: Documents per best-fit-decreasing packing buffer.
+        seed: Shuffling seed; epoch e packs with seed + e.
+        num_workers: DataLoader worker processes that collate rows.
+        on_bad_record: "error" raises on the first bad record; "skip" drops bad records and logs counts.
+        val_batches: Most validation batches (packed rows, over all processes); None for all.
+        cache_dir: Folder for tokenized samples, written in `prepare_data` and reused while inputs are unchanged.
+    """
+
+    def __init__(
+        self,
+        train_files: list[str],
+        val_files: list[str] | None = None,
+        tokenizer: str = "",
+        format: Literal["auto", "messages", "sharegpt"] = "auto",
+        enable_thinking: bool | None = None,
+        token_budget: int = 8192,
+        max_documents: int = 64,
+        max_length: int | None = None,
+        block_size: int = 16,
+        shuffle_buffer: int = 1024,
+        seed: int = 0,
+        num_workers: int = 0,
+        on_bad_record: Literal["error", "skip"] = "error",
+        val_batches: int | None = None,
+        cache_dir: str | None = None,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        if max_length is None:
+            max_length = token_budget
+        for ok, message in (
+            (isinstance(train_files, (list, tuple)) and train_files, f"train_files must list files: {train_files!r}"),
+            (val_files is None or isinstance(val_files, (list, tuple)), f"val_files must be a list, got {val_files!r}"),
+            (bool(tokenizer), f"tokenizer must be a local tokenizer folder or hub id, got {tokenizer!r}"),
+            (format in ("auto", "messages", "sharegpt"), f"format must be auto, messages or sharegpt, got {format!r}"),
+            (enable_thinking in (None, True, False), f"enable_thinking must be bool or null, got {enable_thinking!r}"),
+            (block_size >= 1, f"block_size must be >= 1, got {block_size}"),
+            (token_budget >= block_size, f"token_budget must be >= block_size ({block_size}), got {token_budget}"),
+            (max_documents >= 1, f"max_documents must be >= 1, got {max_documents}"),
+            (max_length <= token_budget, f"max_length must be <= token_budget ({token_budget}), got {max_length}"),
+            (max_length >= 2 * block_size, f"max_length must be >= 2 * block_size ({2 * block_size}) got {max_length}"),
+            (shuffle_buffer >= 1, f"shuffle_buffer must be >= 1, got {shuffle_buffer}"),
+            (num_workers >= 0, f"num_workers must be >= 0, got {num_workers}"),
+            (on_bad_record in ("error", "skip"), f"on_bad_record must be error or skip, got {on_bad_record!r}"),
+            (val_batches is None or val_batches >= 1, f"val_batches must be >= 1 or null, got {val_batches}"),
+        ):
+            if not ok:
+                raise ValueError(message)
+        self.train_paths = resolve_files(train_files, "train_files")
+        self.val_paths = resolve_files(val_files or [], "val_files")
+        self.token_budget = token_budget
+        self.max_documents = max_documents
+        self.max_length = max_length
+        self.min_supervised = 2 * block_size  # an anchor p needs p and p+1 supervised; fewer cannot fill a block
+        self._tokenizer: PreTrainedTokenizerBase | None = None
+        self.train_samples: TokenizedSamples | None = None
+        self.val_samples: TokenizedSamples | None = None
+        self._packer: EpochPacker | None = None
+        self._val_rows: list[list[int]] | None = None
+        # the position of the training stream: epoch and batches served in it (what state_dict saves)
+        self._epoch = 0
+        self._served = 0
+        self._resume: dict[str, int] | None = None
+        self._stats: Counter[str] = Counter()
+
+    # ------------------------------------------------------------------------------------ tokenizing
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        """The target tokenizer, loaded on first use."""
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            try:
+                self._tokenizer = AutoTokenizer.from_pretrained(self.hparams.tokenizer)
+            except (OSError, ValueError) as err:
+                raise DataError(self.hparams.tokenizer, "could not load tokenizer", str(err)) from err
+        return self._tokenizer
+
+    @property
+    def pad_id(self) -> int:
+        """Token id on padding: the tokenizer's pad id, or 0 if it has none."""
+        pad = self.tokenizer.pad_token_id
+        return 0 if pad is None else int(pad)
+
+    def prepare_data(self) -> None:
+        """With `cache_dir`, tokenizes once per node so that every process's `setup` only loads."""
+        if self.hparams.cache_dir is not None:
+            for split, paths in (("train", self.train_paths), ("val", self.val_paths)):
+                if paths and not self._cache_path(split, paths).exists():
+                    self._load_split(split, paths)
+
+    def setup(self, stage: str | None = None) -> None:
+        """Reads and tokenizes the data of `stage`; every bad input raises here, before any model compute."""
+        if stage in (None, "fit") and self.train_samples is None:
+            self.train_samples = self._load_split("train", self.train_paths)
+        if stage in (None, "fit", "validate") and self.val_paths and self.val_samples is None:
+            self.val_samples = self._load_split("val", self.val_paths)
+
+    def _load_split(self, split: str, paths: list[Path]) -> TokenizedSamples:
+        cache = self._cache_path(split, paths) if self.hparams.cache_dir is not None else None
+        if cache is not None and cache.exists():
+            samples = TokenizedSamples(**torch.load(cache, weights_only=True))
+            _rank_zero(logging.INFO, f"{split}: loaded tokenized samples from {cache}")
+        else:
+            samples = tokenize_files(
+                paths, self.tokenizer, self.hparams.tokenizer, self.hparams.format, self.hparams.enable_thinking,
+                self.max_length, self.min_supervised, self.hparams.on_bad_record,
+            )
+            if cache is not None:
+                cache.parent.mkdir(parents=True, exist_ok=True)
+                tmp = cache.with_suffix(f".{os.getpid()}.tmp")
+                torch.save(vars(samples), tmp)
+                os.replace(tmp, cache)  # atomic: a concurrent reader never sees half a file
+        _rank_zero(logging.WARNING if samples.dropped else logging.INFO, samples.report(split, self.min_supervised))
+        if len(samples) == 0:
+            report = samples.report(split, self.min_supervised)
+            raise DataError(", ".join(map(str, paths)), f"no usable {split} samples", report)
+        return samples
+
+    def _cache_path(self, split: str, paths: list[Path]) -> Path:
+        """Cache file named by a hash of everything that changes the tokenized samples."""
+        tok = self.tokenizer
+        backend = getattr(tok, "backend_tokenizer", None)
+        key = {
+            "version": CACHE_VERSION,
+            "files": [(str(p.resolve()), *_file_signature(p)) for p in paths],
+            "tokenizer": backend.to_str() if backend is not None else tok.name_or_path,
+            "chat_template": tok.chat_template,
+            **{k: self.hparams[k] for k in ("format", "enable_thinking", "block_size", "on_bad_record")},
+            "max_length": self.max_length,
+        }
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+        return Path(self.hparams.cache_dir) / f"{split}-{digest}.pt"
+
+    # ------------------------------------------------------------------------------------ loaders
+
+    def train_dataloader(self) -> DataLoader:
+        """One `PackedBatch` per step; the documents are repacked every epoch."""
+        samples = self._require(self.train_samples, "train")
+        _, world_size = self._rank_and_world_size()
+        if self._packer is None or self._packer.multiple_of != world_size:
+            self._packer = EpochPacker(
+                samples.lengths(), self.token_budget, self.max_documents, self.hparams.shuffle_buffer,
+                self.hparams.seed, multiple_of=world_size,
+            )
+        length = math.ceil(self._packer.rows_per_epoch / world_size)
+        dataset = _TrainRows(length, samples, self.token_budget, self.max_documents, self.pad_id)
+        return _TrainLoader(
+            self, dataset, num_workers=self.hparams.num_workers, pin_memory=torch.cuda.is_available()
+        )
+
+    def val_dataloader(self) -> DataLoader | list[DataLoader]:
+        """Packed rows of the validation files in file order, the same every time; [] without val_files."""
+        if not self.val_paths:
+            return []
+        samples = self._require(self.val_samples, "val")
+        if self._val_rows is None:
+            lengths = samples.lengths()
+            rows = pack_documents(lengths, self.token_budget, self.max_documents, self.hparams.shuffle_buffer, None)
+            self._val_rows = rows[: self.hparams.val_batches]
+        dataset = _ValRows(self._val_rows, samples, self.token_budget, self.max_documents, self.pad_id)
+        return DataLoader(
+            dataset, batch_size=None, shuffle=False, num_workers=self.hparams.num_workers,
+            pin_memory=torch.cuda.is_available(),
+        )
+
+    def _require(self, samples: TokenizedSamples | None, split: str) -> TokenizedSamples:
+        if samples is None:
+            raise RuntimeError(f"DFlashDataModule: call setup() before the {split} dataloader")
+        return samples
+
+    def _rank_and_world_size(self) -> tuple[int, int]:
+        if self.trainer is not None:
+            return self.trainer.global_rank, self.trainer.world_size
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return torch.distributed.get_rank(), torch.distributed.get_world_size()
+        return 0, 1
+
+    def _fitting(self) -> bool:
+        return self.trainer is not None and self.trainer.state.fn == TrainerFn.FITTING
+
+    # ------------------------------------------------------------------------ the training stream
+
+    def _begin_train_pass(self) -> list[list[int]]:
+        """Rows this process serves in this pass: the epoch's packing, its share, from the resume point on."""
+        assert self._packer is not None and self.train_samples is not None
+        # the trainer's epoch is the truth when fitting (it survives restarts); alone we count passes
+        epoch = self.trainer.current_epoch if self._fitting() else self._epoch
+        start = 0
+        if self._resume is not None:
+            resume, self._resume = self._resume, None
+            if resume["epoch"] == epoch:  # a resume point of another epoch is stale: that epoch had ended
+                start = resume["batches_served"]
+            if resume.get("documents", len(self.train_samples)) != len(self.train_samples):
+                _rank_zero(logging.WARNING, f"training data has {len(self.train_samples)} samples, the checkpoint "
+                           f"had {resume['documents']}; batches are resumed by position in a different packing")
+        rows = self._packer.rows(epoch)
+        tokens = self.train_samples.input_ids.numel()
+        _rank_zero(
+            logging.INFO,
+            f"epoch {epoch}: {len(self.train_samples):,} documents packed into {len(rows):,} rows of "
+            f"{self.token_budget} tokens, {len(self.train_samples) / max(1, len(rows)):.1f} documents per row, "
+            f"{padding_fraction(len(rows), tokens, self.token_budget):.2%} padding"
+            + (f"; resuming after {start} batches" if start else ""),
+        )
+        self._epoch, self._served = epoch, start
+        rank, world_size = self._rank_and_world_size()
+        return shard_rows(rows, rank, world_size)[start:]
+
+    def _count_train_batch(self, batch: PackedBatch) -> None:
+        self._served += 1
+        tokens = int(batch["doc_lengths"].sum())
+        self._stats["rows"] += 1
+        self._stats["documents"] += int((batch["doc_lengths"] > 0).sum())
+        self._stats["tokens"] += tokens
+        self._stats["padding_tokens"] += self.token_budget - tokens
+        self._stats["supervised_tokens"] += int(batch["loss_mask"].sum())
+
+    def _end_train_pass(self) -> None:
+        self._epoch, self._served = self._epoch + 1, 0
+        s = self.packing_stats()
+        _rank_zero(
+            logging.INFO,
+            f"packing so far: {s['rows']:,} rows, {s['documents_per_row']:.2f} documents per row, "
+            f"{s['padding_fraction']:.2%} padding, {s['supervised_tokens'] / max(1, s['tokens']):.1%} supervised",
+        )
+
+    def packing_stats(self) -> dict[str, float]:
+        """Running totals over the training batches served so far, with the fraction of padded tokens."""
+        keys = ("rows", "documents", "tokens", "padding_tokens", "supervised_tokens")
+        stats: dict[str, float] = {k: self._stats[k] for k in keys}
+        rows = self._stats["rows"]
+        stats["padding_fraction"] = padding_fraction(rows, self._stats["tokens"], self.token_budget)
+        stats["documents_per_row"] = self._stats["documents"] / rows if rows else 0.0
+        return stats
+
+    def state_dict(self) -> dict[str, int]:
+        """Epoch and batches already served in it, so that a resumed run continues with the next batch."""
+        epoch, served = self._epoch, self._served
+        if self._fitting():
+            # the loader runs ahead of the step (Lightning prefetches); count the batches the loop processed
+            epoch = self.trainer.current_epoch
+            served = self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        documents = len(self.train_samples) if self.train_samples is not None else -1
+        return {"epoch": epoch, "batches_served": served, "documents": documents}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        """Continue the training stream from a `state_dict()`."""
+        self._epoch, self._served = int(state_dict["epoch"]), int(state_dict["batches_served"])
+        self._resume = {k: int(v) for k, v in state_dict.items() if int(v) >= 0}
+
+
+def _file_signature(path: Path) -> tuple[int, int]:
+    """Size and modification time of a file, summed over a folder's files."""
+    files = [f for f in path.rglob("*") if f.is_file()] if path.is_dir() else [path]
+    stats = [f.stat() for f in files]
+    return sum(s.st_size for s in stats), max((s.st_mtime_ns for s in stats), default=0)
