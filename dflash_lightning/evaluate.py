@@ -1,0 +1,258 @@
+"""Evaluate a drafter by real greedy speculative decoding (DFLASH.md sections 5, 6): tau, acceptance, speedup.
+
+`evaluate` works on an in-memory drafter and Hugging Face target on any device (training-time validation
+calls it); `main` is `python -m dflash_lightning evaluate`, which also writes report.json and report.png.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from dflash_lightning.model import DFlashDrafter
+from dflash_lightning.speculative import SpeculativeDecoder
+
+
+def prompt_ids(tokenizer: Any, row: dict[str, Any], enable_thinking: bool = False) -> list[int]:
+    """Token ids of one prompt row (`messages` or `prompt`): chat template with the generation prompt."""
+    if "messages" in row:
+        messages = list(row["messages"])
+        while messages and messages[-1]["role"] == "assistant":  # a training row ends with its answer
+            messages.pop()
+    elif "prompt" in row:
+        messages = [{"role": "user", "content": row["prompt"]}]
+    else:
+        raise ValueError(f"a prompt row needs 'messages' or 'prompt', got keys {sorted(row)}")
+    if not messages:
+        raise ValueError("a prompt row has no message before the assistant's answer")
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("the target's tokenizer has no chat template")
+    # enable_thinking is read by Qwen3's template and ignored by templates without it.
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                         enable_thinking=enable_thinking)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]  # the template holds any BOS itself
+
+
+def stop_token_ids(tokenizer: Any, target_model: nn.Module | None = None) -> list[int]:
+    """The tokenizer's EOS and the target's generation-config EOS ids (Qwen3 ends turns with <|im_end|>)."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    extra = getattr(getattr(target_model, "generation_config", None), "eos_token_id", None)
+    ids |= set(extra) if isinstance(extra, list | tuple) else ({extra} if extra is not None else set())
+    return sorted(ids)
+
+
+@torch.no_grad()
+def evaluate(
+    drafter: DFlashDrafter,
+    target_model: nn.Module,
+    tokenizer: Any,
+    prompts: Sequence[dict[str, Any]],
+    max_new_tokens: int = 256,
+    stop_ids: Sequence[int] | None = None,
+    enable_thinking: bool = False,
+    progress: bool = True,
+    warmup: bool = True,
+) -> dict[str, Any]:
+    """Speculative and target-only greedy decoding of every prompt; the report of `summarize`.
+
+    The drafter must sit on the target's device with its embedding and head attached (or it takes the
+    target's). `prompts` are rows with `messages` or `prompt` and an optional `category`.
+    """
+    device = next(target_model.parameters()).device
+    if drafter.fc.weight.device != device:
+        raise ValueError(f"drafter is on {drafter.fc.weight.device}, the target on {device}")
+    modes = drafter.training, target_model.training
+    drafter.eval(), target_model.eval()
+    decoder = SpeculativeDecoder(target_model, drafter)
+    stop = list(stop_ids) if stop_ids is not None else stop_token_ids(tokenizer, target_model)
+    encoded = [torch.tensor(prompt_ids(tokenizer, row, enable_thinking), device=device) for row in prompts]
+    if warmup and encoded:  # first calls pay for kernel selection and allocation, not decoding
+        decoder.generate(encoded[0], min(8, max_new_tokens), stop)
+        decoder.target_generate(encoded[0], min(8, max_new_tokens), stop)
+    records = []
+    with _progress(progress) as bar:
+        task = bar.add_task("speculative decoding", total=len(encoded))
+        for row, ids in zip(prompts, encoded, strict=True):
+            spec = decoder.generate(ids, max_new_tokens, stop)
+            base = decoder.target_generate(ids, max_new_tokens, stop)
+            records.append({
+                "category": row.get("category"), "prompt_tokens": int(ids.numel()), "new_tokens": len(spec.tokens),
+                "steps": spec.steps, "accepted_lengths": spec.accepted_lengths,
+                "first_mismatch": first_mismatch(spec.tokens, base.tokens),
+                "speculative_seconds": spec.seconds, "target_seconds": base.seconds,
+            })
+            tau = sum(a + 1 for r in records for a in r["accepted_lengths"]) / max(1, sum(r["steps"] for r in records))
+            bar.update(task, advance=1, description=f"speculative decoding, tau {tau:.2f}")
+    drafter.train(modes[0]), target_model.train(modes[1])
+    return summarize(records, drafter.config.block_size, max_new_tokens)
+
+
+def first_mismatch(a: list[int], b: list[int]) -> int | None:
+    """Index of the first token where two outputs differ (a length difference counts); None if identical."""
+    n = min(len(a), len(b))
+    i = next((i for i in range(n) if a[i] != b[i]), n)
+    return None if i == n and len(a) == len(b) else i
+
+
+def summarize(records: list[dict[str, Any]], block_size: int, max_new_tokens: int) -> dict[str, Any]:
+    """tau, acceptance histogram, per-slot acceptance, per-category tau, speedup and mismatches of per-prompt runs.
+
+    tau is the mean over decode steps of accepted + 1 (DFLASH.md section 5); tokens_per_step is all new
+    tokens (the prefill's included) over all decode steps, what a serving engine gets per target forward.
+    """
+    accepted = [a for r in records for a in r["accepted_lengths"]]
+    histogram = [accepted.count(a) for a in range(block_size)]
+    steps = len(accepted)
+    spec_s = sum(r["speculative_seconds"] for r in records)
+    target_s = sum(r["target_seconds"] for r in records)
+
+    def taus(rs: list[dict[str, Any]]) -> dict[str, Any]:
+        acc = [a for r in rs for a in r["accepted_lengths"]]
+        tokens = sum(r["new_tokens"] for r in rs)
+        return {
+            "num_prompts": len(rs),
+            "tau": sum(a + 1 for a in acc) / len(acc) if acc else None,
+            "tokens_per_step": tokens / len(acc) if acc else None,
+        }
+
+    categories = sorted({r["category"] for r in records if r["category"] is not None})
+    return {
+        **taus(records),
+        "block_size": block_size,
+        "max_new_tokens": max_new_tokens,
+        "mismatches": sum(r["first_mismatch"] is not None for r in records),
+        "steps": steps,
+        "new_tokens": sum(r["new_tokens"] for r in records),
+        "acceptance_histogram": histogram,
+        "slot_acceptance": [sum(a >= k for a in accepted) / steps if steps else None for k in range(1, block_size)],
+        "speculative_seconds": spec_s,
+        "target_seconds": target_s,
+        "speedup": target_s / spec_s if spec_s > 0 else None,
+        "per_category": {c: taus([r for r in records if r["category"] == c]) for c in categories},
+        "prompts": records,
+    }
+
+
+def plot_report(report: dict[str, Any], path: str | Path) -> None:
+    """report.png: histogram of accepted lengths per step, and the per-slot acceptance rate P(accepted >= k)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    B = report["block_size"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    left.bar(range(B), report["acceptance_histogram"], color="tab:blue")
+    left.set(xlabel="accepted draft tokens per step (tau - 1)", ylabel="steps", title="Acceptance lengths")
+    right.plot(range(1, B), [r if r is not None else float("nan") for r in report["slot_acceptance"]], "o-")
+    right.set(xlabel="slot k", ylabel="P(accepted >= k)", ylim=(0, 1.02), title="Per-slot acceptance")
+    tau, speedup = report["tau"], report["speedup"]
+    fig.suptitle(f"tau {tau:.2f}, speedup {speedup:.2f}x" if tau and speedup else "no decode steps")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def print_summary(report: dict[str, Any]) -> None:
+    """A short rich table of the report."""
+    from rich.console import Console
+    from rich.table import Table
+
+    def fmt(x: float | None, spec: str = ".3f") -> str:
+        return "-" if x is None else format(x, spec)
+
+    table = Table(title="DFlash speculative decoding")
+    for col in ("prompts", "category", "tau", "tokens/step", "speedup", "mismatches"):
+        table.add_column(col, justify="right")
+    table.add_row(str(report["num_prompts"]), "all", fmt(report["tau"]), fmt(report["tokens_per_step"]),
+                  fmt(report["speedup"], ".2f") + "x", str(report["mismatches"]))
+    for name, c in report["per_category"].items():
+        table.add_row(str(c["num_prompts"]), name, fmt(c["tau"]), fmt(c["tokens_per_step"]), "", "")
+    Console().print(table)
+
+
+def read_prompts(path: str | Path, num_prompts: int | None = None) -> list[dict[str, Any]]:
+    """Rows of a prompts JSONL file (`{"messages": [...]}` or `{"prompt": str}`, optional `category`)."""
+    rows = []
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                rows.append(json.loads(line))
+            if num_prompts is not None and len(rows) >= num_prompts:
+                break
+    if not rows:
+        raise ValueError(f"{path}: no prompts")
+    return rows
+
+
+def evaluate_drafter(
+    *,
+    drafter: str,
+    prompts: str,
+    target: str | None = None,
+    out: str = "eval",
+    max_new_tokens: int = 256,
+    num_prompts: int | None = None,
+    device: str = "auto",
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16",
+    enable_thinking: bool = False,
+) -> dict[str, Any]:
+    """Measure a drafter by greedy speculative decoding against the target alone; write report.json and report.png.
+
+    Args:
+        drafter: Lightning `.ckpt` of a DFlashModule, or an exported Hugging Face drafter folder.
+        prompts: JSONL file of prompts, `{"messages": [...]}` or `{"prompt": "..."}`, optional `"category"`.
+        target: Target model folder or hub id; None: the one named in the checkpoint.
+        out: Folder for report.json and report.png.
+        max_new_tokens: Most tokens generated per prompt.
+        num_prompts: Evaluate only the first N prompts; None: all.
+        device: Device of target and drafter; auto: cuda if available.
+        dtype: Dtype of target and drafter.
+        enable_thinking: Chat-template flag of thinking models (Qwen3); DFlash drafters are trained with it off.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dflash_lightning.export import build_drafter, read_drafter
+    from dflash_lightning.target import DTYPES, resolve_model_dir
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg, state, ckpt_target = read_drafter(drafter)
+    target = target or ckpt_target
+    if target is None:
+        raise ValueError("--target is needed for an exported drafter folder")
+    folder = resolve_model_dir(target)
+    model = build_drafter(cfg, state, target).to(device=device, dtype=DTYPES[dtype])
+    target_model = AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPES[dtype]).to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    report = evaluate(model, target_model, tokenizer, read_prompts(prompts, num_prompts), max_new_tokens,
+                      enable_thinking=enable_thinking)
+    report.update(drafter=str(drafter), target=str(target), device=str(device), dtype=dtype)
+    out_dir = Path(out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    plot_report(report, out_dir / "report.png")
+    print_summary(report)
+    return report
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m dflash_lightning evaluate --drafter X --prompts prompts.jsonl [--target T]`."""
+    from jsonargparse import auto_cli
+
+    auto_cli(evaluate_drafter, args=argv)
+
+
+def _progress(enabled: bool):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    disable=not enabled)
+
+
+__all__ = ["evaluate", "evaluate_drafter", "plot_report", "prompt_ids", "read_prompts", "summarize"]

@@ -1,0 +1,215 @@
+"""Export a trained drafter as the Hugging Face folder inference engines load (DFLASH.md section 7), and back.
+
+`export_checkpoint` writes config.json, model.safetensors and the modelling file; `import_folder` reads such
+a folder (ours or a published one) for fine-tuning or evaluation; `load_drafter` loads either for evaluation.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from dflash_lightning.config import ConfigError, DrafterConfig, _rope_settings
+from dflash_lightning.model import DFlashDrafter
+from dflash_lightning.target import DTYPES, load_target_config, load_target_io
+
+MODELING_FILE = Path(__file__).parent / "hf" / "modeling_dflash.py"
+# Fields a drafter folder's config.json must have; head_dim and attention_bias have Qwen3 defaults.
+REQUIRED_FIELDS = (
+    "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "rms_norm_eps", "max_position_embeddings", "vocab_size", "num_target_layers", "block_size",
+)
+
+
+def hf_config(cfg: DrafterConfig) -> dict[str, Any]:
+    """The config.json of a drafter: Qwen3 fields plus the DFlash ones, as published drafters have them."""
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "auto_map": {"AutoModel": f"{MODELING_FILE.stem}.DFlashDraftModel"},
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": cfg.rope_scaling,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "vocab_size": cfg.vocab_size,
+        "attention_bias": cfg.attention_bias,
+        "tie_word_embeddings": False,
+        "layer_types": ["full_attention"] * cfg.num_layers,
+        "num_target_layers": cfg.num_target_layers,
+        "block_size": cfg.block_size,
+        "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)},
+    }
+
+
+def config_from_hf(raw: dict[str, Any]) -> DrafterConfig:
+    """The DrafterConfig of a drafter folder's config.json; a missing field is named."""
+    missing = [k for k in REQUIRED_FIELDS if raw.get(k) is None]
+    dflash = raw.get("dflash_config") or {}
+    missing += [f"dflash_config.{k}" for k in ("mask_token_id", "target_layer_ids") if dflash.get(k) is None]
+    if "rope_theta" not in raw and "rope_theta" not in (raw.get("rope_parameters") or {}):
+        missing.append("rope_theta")
+    if missing:
+        raise ConfigError(f"drafter config.json lacks required field(s): {', '.join(missing)}")
+    rope_theta, rope_scaling = _rope_settings(SimpleNamespace(**raw))
+    cfg = DrafterConfig(
+        num_layers=raw["num_hidden_layers"], block_size=raw["block_size"], mask_token_id=dflash["mask_token_id"],
+        target_layer_ids=list(dflash["target_layer_ids"]), hidden_size=raw["hidden_size"],
+        intermediate_size=raw["intermediate_size"], num_attention_heads=raw["num_attention_heads"],
+        num_key_value_heads=raw["num_key_value_heads"],
+        head_dim=raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"],
+        rms_norm_eps=raw["rms_norm_eps"], rope_theta=rope_theta, rope_scaling=rope_scaling,
+        max_position_embeddings=raw["max_position_embeddings"], vocab_size=raw["vocab_size"],
+        num_target_layers=raw["num_target_layers"], attention_bias=bool(raw.get("attention_bias", False)),
+    )
+    # gamma is a training choice a folder does not carry; check everything else.
+    replace(cfg, gamma=cfg.gamma or 1.0).check()
+    return cfg
+
+
+def check_state_dict(cfg: DrafterConfig, state: dict[str, Tensor], source: str) -> None:
+    """Refuse weights that are not exactly the drafter's: each missing, extra or wrong-shaped key is named."""
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in DFlashDrafter(cfg).state_dict().items()}
+    problems = [f"missing '{k}' {list(s)}" for k, s in expected.items() if k not in state]
+    problems += [f"unexpected '{k}' {list(v.shape)}" for k, v in state.items() if k not in expected]
+    problems += [
+        f"'{k}' has shape {list(v.shape)}, the config implies {list(expected[k])}"
+        for k, v in state.items() if k in expected and tuple(v.shape) != expected[k]
+    ]
+    if problems:
+        raise ValueError(f"{source}: weights do not match the drafter config: " + "; ".join(problems))
+
+
+def read_checkpoint(path: str | Path) -> tuple[DrafterConfig, dict[str, Tensor], str | None]:
+    """Drafter config, drafter weights (no `drafter.` prefix) and target path of a Lightning checkpoint."""
+    # weights_only=False: the hyper-parameters hold a DrafterConfig object; the file is the user's own.
+    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    if "drafter_config" not in ckpt:
+        raise ConfigError(f"{path}: no 'drafter_config' entry; is this a DFlashModule checkpoint?")
+    cfg = DrafterConfig(**ckpt["drafter_config"])
+    prefix = "drafter."
+    state = {k[len(prefix):]: v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)}
+    check_state_dict(cfg, state, str(path))
+    return cfg, state, (ckpt.get("hyper_parameters") or {}).get("target")
+
+
+def export_checkpoint(
+    ckpt_path: str | Path, out_dir: str | Path, dtype: Literal["bfloat16", "float16", "float32"] | None = None
+) -> Path:
+    """Write config.json, model.safetensors and the modelling file of a Lightning checkpoint to `out_dir`."""
+    cfg, state, _ = read_checkpoint(ckpt_path)
+    return write_folder(cfg, state, out_dir, dtype)
+
+
+def write_folder(
+    cfg: DrafterConfig, state: dict[str, Tensor], out_dir: str | Path,
+    dtype: Literal["bfloat16", "float16", "float32"] | None = None,
+) -> Path:
+    """The Hugging Face folder of a drafter config and its weights (names as in `DFlashDrafter.state_dict`)."""
+    from safetensors.torch import save_file
+
+    check_state_dict(cfg, state, "export")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {k: (v.to(DTYPES[dtype]) if dtype else v).detach().cpu().contiguous() for k, v in state.items()}
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(hf_config(cfg), indent=2) + "\n")
+    shutil.copyfile(MODELING_FILE, out / MODELING_FILE.name)
+    return out
+
+
+def import_folder(folder: str | Path) -> tuple[DrafterConfig, dict[str, Tensor]]:
+    """DrafterConfig and weights of a drafter folder (exported here or published), checked key by key."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    config_file = folder / "config.json"
+    if not config_file.exists():
+        raise FileNotFoundError(f"{folder}: no config.json")
+    cfg = config_from_hf(json.loads(config_file.read_text()))
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (folder / "model.safetensors").exists():
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"{folder}: no model.safetensors or model.safetensors.index.json")
+    state: dict[str, Tensor] = {}
+    for name in files:
+        state.update(load_file(folder / name))
+    check_state_dict(cfg, state, str(folder))
+    return cfg, state
+
+
+def read_drafter(path: str | Path) -> tuple[DrafterConfig, dict[str, Tensor], str | None]:
+    """Config, weights and (for a checkpoint) target path of a Lightning `.ckpt` or an exported folder."""
+    path = Path(path)
+    if path.is_dir():
+        return (*import_folder(path), None)
+    if not path.exists():
+        raise FileNotFoundError(f"no drafter checkpoint or folder at '{path}'")
+    return read_checkpoint(path)
+
+
+def build_drafter(cfg: DrafterConfig, state: dict[str, Tensor], target: str) -> DFlashDrafter:
+    """A drafter with these weights and the target's embedding and head, after checking it fits the target."""
+    target_layers = load_target_config(target).num_hidden_layers
+    if target_layers != cfg.num_target_layers:
+        raise ConfigError(
+            f"the drafter was made for a target of {cfg.num_target_layers} layers, '{target}' has {target_layers}"
+        )
+    drafter = DFlashDrafter(cfg)
+    drafter.load_state_dict(state)
+    drafter.set_target_io(*load_target_io(target))  # checks hidden_size and vocab_size against the target
+    return drafter.eval()
+
+
+def load_drafter(path: str | Path, target_path: str | None = None) -> DFlashDrafter:
+    """A drafter from a Lightning `.ckpt` or an exported folder, with the target's embedding and head attached.
+
+    `target_path` may be left out for a checkpoint, whose hyper-parameters name its target.
+    """
+    cfg, state, ckpt_target = read_drafter(path)
+    target = target_path or ckpt_target
+    if target is None:
+        raise ValueError(f"{path}: give the target (its embedding and head are not part of the drafter)")
+    return build_drafter(cfg, state, target)
+
+
+def export(*, checkpoint: str, out: str, dtype: Literal["bfloat16", "float16", "float32"] | None = None) -> Path:
+    """Export a DFlashModule checkpoint as a Hugging Face folder for vLLM, SGLang and transformers.
+
+    Args:
+        checkpoint: Lightning `.ckpt` file written while training a DFlashModule.
+        out: Folder to write config.json, model.safetensors and modeling_dflash.py to.
+        dtype: Dtype of the saved weights; None: as stored in the checkpoint.
+    """
+    folder = export_checkpoint(checkpoint, out, dtype)
+    print(f"exported {checkpoint} -> {folder}")
+    return folder
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m dflash_lightning export --checkpoint X.ckpt --out folder`."""
+    from jsonargparse import auto_cli
+
+    auto_cli(export, args=argv)
+
+
+__all__ = [
+    "build_drafter", "check_state_dict", "export_checkpoint", "hf_config", "import_folder", "load_drafter",
+    "read_checkpoint", "read_drafter", "write_folder",
+]

@@ -1,0 +1,186 @@
+"""A DFlash drafter for Hugging Face transformers, shipped inside exported folders (trust_remote_code).
+
+Self-contained on purpose (torch and transformers only): it is copied next to `config.json` and
+`model.safetensors` by `dflash_lightning.export`. Block queries attend densely, with no mask, over
+[context K/V; block K/V]: the caller passes only the context that the block may see.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import DynamicCache, PreTrainedModel, Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
+
+
+class DFlashAttention(nn.Module):
+    """Grouped-query attention of block tokens over the context vectors and the block itself."""
+
+    def __init__(self, config: Qwen3Config, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        h, d, bias = config.hidden_size, self.head_dim, config.attention_bias
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=bias)
+        self.q_norm = Qwen3RMSNorm(d, eps=config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(d, eps=config.rms_norm_eps)
+
+    def forward(
+        self, hidden_states: torch.Tensor, context: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        attention_mask: torch.Tensor | None = None, past_key_values=None,
+    ) -> torch.Tensor:
+        """Block `[b, q, H]` over context `[b, c, H]`; cos/sin `[b, c + q, D]` of their positions."""
+        b, q_len, _ = hidden_states.shape
+        d = self.head_dim
+        q = self.q_norm(self.q_proj(hidden_states).view(b, q_len, -1, d)).transpose(1, 2)  # [b, heads, q, D]
+        # The context takes this layer's k/v projections but neither input_layernorm nor the MLP.
+        kv_in = torch.cat([context, hidden_states], dim=1)  # [b, c + q, H]
+        k = self.k_norm(self.k_proj(kv_in).view(b, kv_in.shape[1], -1, d)).transpose(1, 2)  # [b, kv_heads, c+q, D]
+        v = self.v_proj(kv_in).view(b, kv_in.shape[1], -1, d).transpose(1, 2)
+        cos, sin = cos[:, None], sin[:, None]
+        q = q * cos[..., -q_len:, :] + rotate_half(q) * sin[..., -q_len:, :]
+        k = k * cos + rotate_half(k) * sin
+        if past_key_values is not None:  # earlier context K/V, kept by the caller's transformers cache
+            k, v = past_key_values.update(k, v, self.layer_idx)
+        groups = self.num_heads // self.num_kv_heads
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask)  # bidirectional: no causal mask
+        return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
+
+
+class DFlashDecoderLayer(nn.Module):
+    """Pre-norm Qwen3 layer whose attention also reads the context."""
+
+    def __init__(self, config: Qwen3Config, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.self_attn = DFlashAttention(config, layer_idx)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = Qwen3MLP(config)
+
+    def forward(self, hidden_states: torch.Tensor, context: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attention_mask: torch.Tensor | None = None, past_key_values=None) -> torch.Tensor:
+        x = hidden_states
+        x = x + self.self_attn(self.input_layernorm(x), context, cos, sin, attention_mask, past_key_values)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDraftModel(PreTrainedModel):
+    """DFlash block-diffusion drafter: fc + hidden_norm over target features, Qwen3-style layers, final norm.
+
+    The input embedding and output head are the target's and are not part of this model.
+    """
+
+    config_class = Qwen3Config
+    base_model_prefix = "dflash"
+    _no_split_modules = ["DFlashDecoderLayer"]
+
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__(config)
+        dflash = getattr(config, "dflash_config", None) or {}
+        self.target_layer_ids = list(dflash["target_layer_ids"])
+        self.mask_token_id = int(dflash["mask_token_id"])
+        self.block_size = int(config.block_size)
+        h = config.hidden_size
+        self.fc = nn.Linear(len(self.target_layer_ids) * h, h, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(h, eps=config.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = Qwen3RMSNorm(h, eps=config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(config)
+        self.post_init()
+
+    def forward(
+        self,
+        position_ids: torch.LongTensor,
+        attention_mask: torch.Tensor | None = None,
+        noise_embedding: torch.Tensor | None = None,
+        target_hidden: torch.Tensor | None = None,
+        past_key_values=None,
+        use_cache: bool = False,
+        **kwargs,
+    ) -> torch.Tensor:
+        """Final-normed hidden states of a block.  # [b, q, H]
+
+        Args:
+            position_ids: Positions of the context tokens then of the block tokens, `[b, c + q]`.
+            attention_mask: Optional mask `[b, 1, q, cached + c + q]` (bool or additive); None: see everything.
+            noise_embedding: Target embeddings of the block `[x, MASK, ..., MASK]`, `[b, q, H]`.
+            target_hidden: Concatenated target features of the context tokens, `[b, c, K*H]`.
+            past_key_values: Optional transformers cache holding earlier context K/V (crop it after each block).
+        """
+        past_key_values = kwargs.pop("cache", past_key_values)
+        x = noise_embedding.to(self.fc.weight.dtype)
+        context = self.hidden_norm(self.fc(target_hidden.to(self.fc.weight.dtype)))  # [b, c, H]
+        cos, sin = self.rotary_emb(x, position_ids)  # [b, c + q, D]
+        for layer in self.layers:
+            x = layer(x, context, cos, sin, attention_mask, past_key_values)
+        return self.norm(x)
+
+    def target_features(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """Context features from a target's `output_hidden_states`: outputs of the target layers.  # [b, n, K*H]"""
+        return torch.cat([hidden_states[j + 1] for j in self.target_layer_ids], dim=-1)
+
+    @torch.no_grad()
+    def spec_generate(
+        self, target: nn.Module, input_ids: torch.LongTensor, max_new_tokens: int,
+        stop_token_ids: list[int] | None = None, temperature: float = 0.0,
+    ) -> torch.LongTensor:
+        """Greedy speculative decoding of one prompt `[1, P]` with the target; returns `[1, P + new]`.
+
+        The output equals the target's own greedy decoding token for token.
+        """
+        if temperature > 0:
+            raise NotImplementedError("this drafter file implements greedy decoding (temperature 0) only")
+        self.eval()
+        B, device, stop = self.block_size, input_ids.device, set(stop_token_ids or [])
+        embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+        params = inspect.signature(target.forward).parameters
+        cache_arg = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.24
+        target_cache, draft_cache = DynamicCache(), DynamicCache()
+        out = target(input_ids=input_ids, **{cache_arg: target_cache}, use_cache=True, output_hidden_states=True,
+                     logits_to_keep=1)
+        context = self.target_features(out.hidden_states)  # [1, P, K*H]
+        tokens = [int(out.logits[0, -1].argmax())]
+        start = input_ids.shape[1]  # position of the newest token, whose features are not known yet
+        done = max_new_tokens <= 1 or tokens[0] in stop
+        while not done:
+            block = torch.full((1, B), self.mask_token_id, dtype=torch.long, device=device)
+            block[0, 0] = tokens[-1]
+            positions = torch.arange(start - context.shape[1], start + B, device=device)[None]
+            hidden = self(positions, noise_embedding=embed(block), target_hidden=context,
+                          past_key_values=draft_cache, use_cache=True)
+            _crop(draft_cache, start)  # keep the context K/V, drop the block's
+            block[0, 1:] = head(hidden[:, 1:].to(head.weight.dtype)).argmax(-1)
+            block = block[:, : min(B, max_new_tokens - len(tokens))]  # verify only tokens still wanted
+            out = target(input_ids=block, **{cache_arg: target_cache}, use_cache=True, output_hidden_states=True)
+            posterior = out.logits[0].argmax(-1)
+            a = int((block[0, 1:] == posterior[:-1]).long().cumprod(0).sum())
+            new = block[0, 1: a + 1].tolist() + [int(posterior[a])]
+            tokens += new
+            start += a + 1
+            _crop(target_cache, start)
+            context = self.target_features(out.hidden_states)[:, : a + 1]
+            done = len(tokens) >= max_new_tokens or bool(stop & set(new))
+        for i, t in enumerate(tokens):
+            if t in stop:
+                tokens = tokens[: i + 1]
+                break
+        new_ids = torch.tensor(tokens[:max_new_tokens], dtype=input_ids.dtype, device=device)
+        return torch.cat([input_ids, new_ids[None]], dim=1)
+
+
+def _crop(cache, length: int) -> None:
+    """Keep the first `length` positions of a transformers cache (negative crop works in 4.x and 5.x)."""
+    remove = cache.get_seq_length() - length
+    if remove > 0:
+        cache.crop(-remove)
+
+
+__all__ = ["DFlashDraftModel"]

@@ -1,0 +1,213 @@
+"""Greedy speculative decoding with a DFlash drafter (DFLASH.md section 6), and the target alone as baseline.
+
+The drafter keeps the K/V of every context vector per layer and projects each one once; a block's own
+K/V are never cached. The target keeps a Hugging Face KV cache that is cropped to the verified length.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from dflash_lightning.model import DFlashDrafter
+
+
+@dataclass
+class Generation:
+    """What one generation returns."""
+
+    tokens: list[int]
+    """New tokens after the prompt, up to and including the first stop token."""
+    accepted_lengths: list[int] = field(default_factory=list)
+    """Accepted draft tokens a of every decode step (tau of the step is a + 1); empty for the target alone."""
+    steps: int = 0
+    """Target forwards after the prefill."""
+    seconds: float = 0.0
+    """Wall time of the decode steps (prefill excluded)."""
+    prefill_seconds: float = 0.0
+    """Wall time of the prefill."""
+
+
+def accepted_length(draft: Tensor, posterior: Tensor) -> int:
+    """Drafts accepted: the longest prefix with `draft[k] == posterior[k-1]` (draft `[n]` of slots 1..n)."""
+    n = draft.numel()
+    return int((draft == posterior[:n]).long().cumprod(0).sum())
+
+
+class DraftContext:
+    """A drafter's cached context K/V per layer, at the true positions of the tokens they come from."""
+
+    def __init__(self, drafter: DFlashDrafter) -> None:
+        self.drafter = drafter
+        self.keys: list[Tensor | None] = [None] * len(drafter.layers)
+        self.values: list[Tensor | None] = [None] * len(drafter.layers)
+
+    def __len__(self) -> int:
+        return 0 if self.keys[0] is None else self.keys[0].shape[0]
+
+    @torch.no_grad()
+    def extend(self, features: Tensor, positions: Tensor) -> None:
+        """Append the context of new target features `[n, K*H]` at `positions [n]`."""
+        c = self.drafter.context(features)  # [n, H]
+        rope = self.drafter.rotary(positions, c.dtype)
+        for i, layer in enumerate(self.drafter.layers):
+            k, v = layer.self_attn.key_value(c, *rope)  # [n, kv_heads, D] each
+            self.keys[i] = k if self.keys[i] is None else torch.cat([self.keys[i], k])
+            self.values[i] = v if self.values[i] is None else torch.cat([self.values[i], v])
+
+    @torch.no_grad()
+    def block_hidden(self, block_ids: Tensor, start: int) -> Tensor:
+        """Final-normed hidden state of a block `[B]` at positions start..start+B-1 over all the context.  # [B, H]"""
+        d = self.drafter
+        x = d.embed(block_ids)  # [B, H]
+        rope = d.rotary(torch.arange(start, start + block_ids.numel(), device=block_ids.device), x.dtype)
+        for i, layer in enumerate(d.layers):
+            attn, h = layer.self_attn, layer.input_layernorm(x)
+            k, v = attn.key_value(h, *rope)
+            if self.keys[i] is not None:
+                k, v = torch.cat([self.keys[i], k]), torch.cat([self.values[i], v])
+            # No mask: the block sees all of the context (all before `start`) and itself both ways.
+            x = x + attn.attend(attn.query(h, *rope), k, v)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return d.norm(x)
+
+
+class SpeculativeDecoder:
+    """Greedy DFlash speculative decoding of one sequence with a Hugging Face causal LM as the target."""
+
+    def __init__(
+        self, target_model: nn.Module, drafter: DFlashDrafter, layer_ids: list[int] | None = None,
+        mask_token_id: int | None = None, block_size: int | None = None,
+    ) -> None:
+        """Layer ids, MASK id and block size default to the drafter's config."""
+        cfg = drafter.config
+        self.target, self.drafter = target_model, drafter
+        self.layer_ids = list(layer_ids if layer_ids is not None else cfg.target_layer_ids)
+        self.mask_token_id = mask_token_id if mask_token_id is not None else cfg.mask_token_id
+        self.block_size = block_size or cfg.block_size
+        self.cache_arg = _cache_arg(target_model)
+        if drafter.embed_weight is None:  # an in-memory drafter without its IO: take the target's own
+            drafter.set_target_io(target_model.get_input_embeddings().weight,
+                                  target_model.get_output_embeddings().weight)
+
+    def _target(self, ids: Tensor, cache, logits_to_keep: int = 0) -> tuple[Tensor, Tensor]:
+        """Target logits `[n, V]` (last `logits_to_keep` only if set) of new tokens `[n]` after the cached ones,
+        and their context features `[n, K*H]` (`hidden_states[j + 1]`, DFLASH.md section 1)."""
+        out = self.target(input_ids=ids[None], **{self.cache_arg: cache}, use_cache=True,
+                          output_hidden_states=True, logits_to_keep=logits_to_keep)
+        return out.logits[0], torch.cat([out.hidden_states[j + 1][0] for j in self.layer_ids], -1)
+
+    def draft(self, context: DraftContext, x: Tensor, start: int) -> Tensor:
+        """Draft tokens of slots 1..B-1 for the block `[x, MASK * (B-1)]` at `start`.  # [B-1]"""
+        block = torch.full((self.block_size,), self.mask_token_id, dtype=torch.long, device=x.device)
+        block[0] = x
+        hidden = context.block_hidden(block, start)
+        return self.drafter.logits(hidden[1:]).argmax(-1)
+
+    @torch.no_grad()
+    def generate(self, input_ids: Tensor, max_new_tokens: int, eos_token_id: int | Iterable[int] | None = None
+                 ) -> Generation:
+        """Greedy tokens after the prompt `input_ids [P]`; identical to `target_generate` by construction."""
+        from transformers import DynamicCache
+
+        stop = _stop_set(eos_token_id)
+        input_ids = input_ids.flatten()
+        device = input_ids.device
+        t0 = _now(device)
+        cache = DynamicCache()
+        logits, features = self._target(input_ids, cache, logits_to_keep=1)
+        context = DraftContext(self.drafter)
+        context.extend(features, torch.arange(input_ids.numel(), device=device))
+        x = logits[-1].argmax()
+        tokens, accepted = [int(x)], []
+        t1 = _now(device)
+        start = input_ids.numel()  # position of x, whose features the target has not made yet
+        done = len(tokens) >= max_new_tokens or tokens[0] in stop
+        while not done:
+            draft = self.draft(context, x, start)  # [B-1]
+            # A step emits at most as many tokens as it verifies, so only the tokens still wanted are
+            # verified; the block itself is always drafted whole, as in training.
+            n = min(self.block_size, max_new_tokens - len(tokens))
+            block = torch.cat([x[None], draft[: n - 1]])  # [n]
+            logits, features = self._target(block, cache)
+            posterior = logits.argmax(-1)  # [n]: the target's token after each block token
+            a = accepted_length(block[1:], posterior)
+            _crop(cache, start + a + 1)  # drop the K/V of rejected drafts
+            context.extend(features[: a + 1], torch.arange(start, start + a + 1, device=device))
+            new = block[1: a + 1].tolist() + [int(posterior[a])]
+            tokens += new
+            accepted.append(a)
+            x, start = posterior[a], start + a + 1
+            done = len(tokens) >= max_new_tokens or any(t in stop for t in new)
+        return Generation(_truncate(tokens, max_new_tokens, stop), accepted, len(accepted),
+                          _now(device) - t1, t1 - t0)
+
+    @torch.no_grad()
+    def target_generate(self, input_ids: Tensor, max_new_tokens: int,
+                        eos_token_id: int | Iterable[int] | None = None) -> Generation:
+        """Plain greedy decoding with the target alone and the same cache machinery (the speedup baseline)."""
+        return target_generate(self.target, input_ids, max_new_tokens, eos_token_id)
+
+
+@torch.no_grad()
+def target_generate(target_model: nn.Module, input_ids: Tensor, max_new_tokens: int,
+                    eos_token_id: int | Iterable[int] | None = None) -> Generation:
+    """Greedy decoding with the target alone, one token per forward, through its KV cache."""
+    from transformers import DynamicCache
+
+    stop = _stop_set(eos_token_id)
+    input_ids = input_ids.flatten()
+    device = input_ids.device
+    t0 = _now(device)
+    cache_arg = {_cache_arg(target_model): DynamicCache()}
+    out = target_model(input_ids=input_ids[None], **cache_arg, use_cache=True, logits_to_keep=1)
+    x = out.logits[0, -1].argmax()
+    tokens = [int(x)]
+    t1 = _now(device)
+    steps = 0
+    while len(tokens) < max_new_tokens and tokens[-1] not in stop:  # one token per step: the last is the new one
+        out = target_model(input_ids=x.view(1, 1), **cache_arg, use_cache=True)
+        x = out.logits[0, -1].argmax()
+        tokens.append(int(x))
+        steps += 1
+    return Generation(tokens, [], steps, _now(device) - t1, t1 - t0)
+
+
+def _cache_arg(model: nn.Module) -> str:
+    """The name a causal LM's forward takes its KV cache by: `cache` from transformers 5.24, else `past_key_values`."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _stop_set(eos_token_id: int | Iterable[int] | None) -> set[int]:
+    if eos_token_id is None:
+        return set()
+    return {int(eos_token_id)} if isinstance(eos_token_id, int) else {int(t) for t in eos_token_id}
+
+
+def _truncate(tokens: list[int], max_new_tokens: int, stop: set[int]) -> list[int]:
+    """Cut after the first stop token and at the token budget (a step may overshoot both)."""
+    for i, t in enumerate(tokens):
+        if t in stop:
+            return tokens[: min(i + 1, max_new_tokens)]
+    return tokens[:max_new_tokens]
+
+
+def _crop(cache, length: int) -> None:
+    """Keep the first `length` positions of a transformers cache (negative crop works in 4.x and 5.x)."""
+    remove = cache.get_seq_length() - length
+    if remove > 0:  # crop(0) means "keep nothing" in transformers 4
+        cache.crop(-remove)
+
+
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":  # time what the GPU did, not what was queued
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+__all__ = ["DraftContext", "Generation", "SpeculativeDecoder", "accepted_length", "target_generate"]

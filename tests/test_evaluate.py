@@ -1,0 +1,107 @@
+"""Evaluation end to end on a tiny target: reports written, no mismatches; the summary arithmetic by hand."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_export import make_checkpoint
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from dflash_lightning.config import DrafterConfig
+from dflash_lightning.evaluate import evaluate, first_mismatch, main, prompt_ids, summarize
+from dflash_lightning.export import export_checkpoint
+from dflash_lightning.model import DFlashDrafter
+
+PROMPTS = [
+    {"prompt": "what does this function return ?", "category": "code"},
+    {"messages": [{"role": "user", "content": "explain the list"}, {"role": "assistant", "content": "a list"}],
+     "category": "chat"},
+    {"messages": [{"role": "system", "content": "be a python module"}, {"role": "user", "content": "the value"}],
+     "category": "chat"},
+    {"prompt": "a string is an object of a class"},
+]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in PROMPTS))
+    return path
+
+
+def test_evaluate_command_end_to_end(tiny_target, prompts_file, tmp_path, capsys):
+    checkpoint = make_checkpoint(tiny_target, tmp_path / "last.ckpt")
+    out = tmp_path / "eval"
+    main(["--drafter", str(checkpoint), "--prompts", str(prompts_file), "--out", str(out), "--max_new_tokens", "12",
+          "--device", "cpu", "--dtype", "float32"])  # the target comes from the checkpoint
+    report = json.loads((out / "report.json").read_text())
+    assert (out / "report.png").stat().st_size > 1000
+    assert report["mismatches"] == 0 and report["num_prompts"] == 4
+    assert sum(report["acceptance_histogram"]) == report["steps"] > 0
+    assert len(report["acceptance_histogram"]) == 8 and len(report["slot_acceptance"]) == 7
+    assert 1 <= report["tau"] <= 8 and report["speedup"] > 0
+    assert set(report["per_category"]) == {"chat", "code"} and report["per_category"]["chat"]["num_prompts"] == 2
+    assert "tau" in capsys.readouterr().out  # the rich summary table
+
+    # an exported folder with an explicit target gives the same decoding
+    folder = export_checkpoint(checkpoint, tmp_path / "folder")
+    main(["--drafter", str(folder), "--target", str(tiny_target), "--prompts", str(prompts_file), "--out",
+          str(tmp_path / "eval2"), "--max_new_tokens", "12", "--num_prompts", "2", "--device", "cpu",
+          "--dtype", "float32"])
+    report2 = json.loads((tmp_path / "eval2" / "report.json").read_text())
+    assert report2["num_prompts"] == 2 and report2["mismatches"] == 0
+    for a, b in zip(report2["prompts"], report["prompts"][:2], strict=True):
+        assert a["accepted_lengths"] == b["accepted_lengths"] and a["new_tokens"] == b["new_tokens"]
+
+
+def test_evaluate_in_memory_drafter_without_target_io(tiny_target):
+    """What training-time validation does: a fresh drafter object, the target already loaded."""
+    target = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target)
+    cfg = DrafterConfig(num_layers=1, block_size=4, mask_token_id=52, gamma=4.0).resolved(target.config)
+    drafter = DFlashDrafter(cfg)
+    drafter.train()
+    report = evaluate(drafter, target, tokenizer, PROMPTS[:2], max_new_tokens=10, progress=False)
+    assert report["mismatches"] == 0 and report["block_size"] == 4
+    assert drafter.training and drafter.head_weight is not None  # mode restored, the target's head attached
+
+
+def test_prompt_rows_become_chat_prompts(tiny_target):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target)
+    ids = prompt_ids(tokenizer, PROMPTS[1])
+    text = tokenizer.decode(ids)
+    assert text.count("<|im_start|>") == 2 and "a list" not in text  # the answer is dropped
+    assert tokenizer.convert_ids_to_tokens(ids[-2:]) == ["<|im_start|>", "assistant"]  # the generation prompt
+    with pytest.raises(ValueError, match="'messages' or 'prompt'"):
+        prompt_ids(tokenizer, {"text": "hi"})
+
+
+def test_first_mismatch():
+    assert first_mismatch([1, 2, 3], [1, 2, 3]) is None
+    assert first_mismatch([1, 2, 3], [1, 5, 3]) == 1
+    assert first_mismatch([1, 2], [1, 2, 3]) == 2
+
+
+def test_summary_arithmetic():
+    records = [
+        {"category": "a", "new_tokens": 7, "steps": 3, "accepted_lengths": [0, 3, 1], "first_mismatch": None,
+         "speculative_seconds": 1.0, "target_seconds": 3.0},
+        {"category": "b", "new_tokens": 4, "steps": 1, "accepted_lengths": [3], "first_mismatch": 2,
+         "speculative_seconds": 1.0, "target_seconds": 1.0},
+    ]
+    r = summarize(records, block_size=4, max_new_tokens=8)
+    assert r["tau"] == (1 + 4 + 2 + 4) / 4 and r["tokens_per_step"] == 11 / 4
+    assert r["acceptance_histogram"] == [1, 1, 0, 2]
+    assert r["slot_acceptance"] == [3 / 4, 2 / 4, 2 / 4]  # P(accepted >= k), k = 1..3
+    assert r["speedup"] == 2.0 and r["mismatches"] == 1
+    assert r["per_category"]["a"]["tau"] == 7 / 3 and r["per_category"]["b"]["tau"] == 4

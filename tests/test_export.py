@@ -1,0 +1,239 @@
+"""Export: the folder has exactly the published layout, round-trips, loads in transformers and serves as trained."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import packed_batch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModel, AutoModelForCausalLM
+
+from dflash_lightning.config import ConfigError, DrafterConfig
+from dflash_lightning.export import export_checkpoint, import_folder, load_drafter, main, write_folder
+from dflash_lightning.model import DFlashDrafter
+from dflash_lightning.speculative import target_generate
+from dflash_lightning.target import load_target_io
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def make_checkpoint(target: Path, path: Path, block_size: int = 8) -> Path:
+    """A real Lightning checkpoint of a DFlashModule after one training step on the tiny target."""
+    from lightning.pytorch import Trainer
+    from torch.utils.data import DataLoader
+
+    from dflash_lightning.module import DFlashModule
+    from dflash_lightning.target import TargetFeatures
+
+    torch.manual_seed(0)
+    module = DFlashModule(str(target), DrafterConfig(num_layers=2, block_size=block_size), token_budget=64,
+                          num_anchors=8)
+    trainer = Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False,
+                      callbacks=[TargetFeatures(str(target), dtype="float32")])
+    trainer.fit(module, train_dataloaders=DataLoader([packed_batch([30, 20], 64, vocab=50)], batch_size=None))
+    trainer.save_checkpoint(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_target, tmp_path_factory) -> Path:
+    return make_checkpoint(tiny_target, tmp_path_factory.mktemp("ckpt") / "last.ckpt")
+
+
+@pytest.fixture(scope="module")
+def folder(checkpoint, tmp_path_factory) -> Path:
+    return export_checkpoint(checkpoint, tmp_path_factory.mktemp("export") / "drafter")
+
+
+def published_weight_names(layers: int) -> set[str]:
+    """The weight names of DFLASH.md section 7, written out independently of the model code."""
+    names = {"fc.weight", "hidden_norm.weight", "norm.weight"}
+    for i in range(layers):
+        names |= {f"layers.{i}.input_layernorm.weight", f"layers.{i}.post_attention_layernorm.weight"}
+        names |= {f"layers.{i}.self_attn.{p}_proj.weight" for p in "qkvo"}
+        names |= {f"layers.{i}.self_attn.{p}_norm.weight" for p in "qk"}
+        names |= {f"layers.{i}.mlp.{p}_proj.weight" for p in ("gate", "up", "down")}
+    return names
+
+
+def test_folder_has_the_published_layout(folder):
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors", "modeling_dflash.py"]
+    config = json.loads((folder / "config.json").read_text())
+    assert set(config) == {
+        "architectures", "model_type", "auto_map", "hidden_size", "intermediate_size", "num_hidden_layers",
+        "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling",
+        "max_position_embeddings", "vocab_size", "attention_bias", "tie_word_embeddings", "layer_types",
+        "num_target_layers", "block_size", "dflash_config",
+    }
+    assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
+    assert config["num_hidden_layers"] == 2 and config["num_target_layers"] == 6 and config["block_size"] == 8
+    assert config["dflash_config"] == {"mask_token_id": 52, "target_layer_ids": [1, 3]}
+    assert config["tie_word_embeddings"] is False and config["layer_types"] == ["full_attention"] * 2
+    weights = load_file(folder / "model.safetensors")
+    assert set(weights) == published_weight_names(2)
+    assert weights["fc.weight"].shape == (64, 2 * 64)  # [H, K*H]
+    source = (folder / "modeling_dflash.py").read_text()
+    imports = {line.split()[1].split(".")[0] for line in source.splitlines() if line.startswith(("import ", "from "))}
+    assert imports <= {"__future__", "inspect", "torch", "transformers"}  # self-contained
+
+
+def test_round_trip_keeps_config_and_weights(checkpoint, folder):
+    ckpt = torch.load(checkpoint, weights_only=False)
+    cfg, state = import_folder(folder)
+    assert cfg.to_dict() == ckpt["drafter_config"]
+    expected = {k.removeprefix("drafter."): v for k, v in ckpt["state_dict"].items()}
+    assert set(state) == set(expected)
+    for k, v in state.items():
+        assert torch.equal(v, expected[k]), k
+    # a folder re-exported from the imported weights is the same folder
+    again = write_folder(cfg, state, folder.parent / "again")
+    assert (again / "config.json").read_text() == (folder / "config.json").read_text()
+
+
+def test_transformers_loads_the_folder_offline(folder, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model, info = AutoModel.from_pretrained(folder, trust_remote_code=True, output_loading_info=True)
+    assert type(model).__name__ == "DFlashDraftModel"
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    weights = load_file(folder / "model.safetensors")
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, weights[k]), k
+    bf16 = AutoModel.from_pretrained(folder, trust_remote_code=True, dtype=torch.bfloat16)
+    assert bf16.fc.weight.dtype == torch.bfloat16
+
+
+def test_checkpoint_and_folder_load_the_same_drafter(tiny_target, checkpoint, folder):
+    from_ckpt = load_drafter(checkpoint)  # the checkpoint names its target
+    from_folder = load_drafter(folder, str(tiny_target))
+    for (k, a), (_, b) in zip(from_ckpt.state_dict().items(), from_folder.state_dict().items(), strict=True):
+        assert torch.equal(a, b), k
+    assert torch.equal(from_folder.head_weight, load_target_io(str(tiny_target))[1])
+    with pytest.raises(ValueError, match="give the target"):
+        load_drafter(folder)
+
+
+def broken_copy(folder: Path, dest: Path, edit_weights=None, edit_config=None) -> Path:
+    dest.mkdir()
+    weights, config = load_file(folder / "model.safetensors"), json.loads((folder / "config.json").read_text())
+    if edit_weights:
+        edit_weights(weights)
+    if edit_config:
+        edit_config(config)
+    save_file(weights, dest / "model.safetensors")
+    (dest / "config.json").write_text(json.dumps(config))
+    return dest
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda w: w.pop("layers.1.mlp.up_proj.weight"), r"missing 'layers\.1\.mlp\.up_proj\.weight' \[128, 64\]"),
+    (lambda w: w.update({"lm_head.weight": torch.zeros(60, 64)}), r"unexpected 'lm_head\.weight' \[60, 64\]"),
+    (lambda w: w.update({"layers.0.self_attn.q_proj.weight": torch.zeros(32, 64)}),
+     r"'layers\.0\.self_attn\.q_proj\.weight' has shape \[32, 64\], the config implies \[64, 64\]"),
+    (lambda w: w.update({"layers.0.self_attn.k_proj.bias": torch.zeros(32)}),
+     r"unexpected 'layers\.0\.self_attn\.k_proj\.bias'"),
+])
+def test_folder_with_wrong_weights_is_refused(folder, tmp_path, edit, message):
+    with pytest.raises(ValueError, match=message):
+        import_folder(broken_copy(folder, tmp_path / "bad", edit_weights=edit))
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda c: c.pop("block_size"), "lacks required field\\(s\\): block_size"),
+    (lambda c: c["dflash_config"].pop("target_layer_ids"), "dflash_config.target_layer_ids"),
+    (lambda c: c.pop("rope_theta"), "rope_theta"),
+    (lambda c: c["dflash_config"].update(target_layer_ids=[1, 7]), r"target_layer_ids \[7\] out of range"),
+    (lambda c: c.update(num_hidden_layers=3), r"missing 'layers\.2\."),  # config and weights disagree
+])
+def test_folder_with_wrong_config_is_refused(folder, tmp_path, edit, message):
+    with pytest.raises(ValueError, match=message):
+        import_folder(broken_copy(folder, tmp_path / "bad", edit_config=edit))
+
+
+def test_folder_for_another_target_is_refused(folder, tmp_path):
+    from conftest import make_target
+
+    other = make_target(tmp_path / "other", layers=4)
+    with pytest.raises(ConfigError, match="target of 6 layers, .* has 4"):
+        load_drafter(folder, str(other))
+
+
+def test_export_cli(checkpoint, tmp_path, capsys):
+    main(["--checkpoint", str(checkpoint), "--out", str(tmp_path / "cli"), "--dtype", "bfloat16"])
+    assert load_file(tmp_path / "cli" / "model.safetensors")["fc.weight"].dtype == torch.bfloat16
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "Lightning `.ckpt` file" in capsys.readouterr().out
+
+
+# -- train/serve parity -------------------------------------------------------------------------------------------
+
+def parity_drafter(target: Path, dtype: torch.dtype) -> DFlashDrafter:
+    """A random drafter for the tiny target with non-trivial norms, attached to its embedding and head."""
+    from transformers import AutoConfig
+
+    cfg = DrafterConfig(num_layers=2, block_size=8, mask_token_id=52).resolved(AutoConfig.from_pretrained(target))
+    torch.manual_seed(1)
+    drafter = DFlashDrafter(cfg)
+    for p in drafter.parameters():
+        p.data += 0.1 * torch.randn_like(p)
+    drafter.set_target_io(*load_target_io(str(target)))
+    return drafter.to(dtype).eval()
+
+
+# Tolerances on logits (|logits| <= ~0.5 here). float32: the paths differ by summation order only (observed
+# 3e-7). bfloat16 (8-bit mantissa, one ulp is 0.004 at 0.5): the two paths round at different places (masked
+# packed attention vs dense SDPA, RoPE tables cast before vs after), observed 0.007, allowed ~5 ulps.
+TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=0.02, atol=0.02)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_exported_folder_drafts_what_training_trained(tiny_target, tmp_path, dtype):
+    """AutoModel + the modelling file's forward, fed as engines feed it, equals DFlashDrafter.block_hidden."""
+    drafter = parity_drafter(tiny_target, dtype)
+    folder = write_folder(drafter.config, drafter.state_dict(), tmp_path / "drafter")
+    served = AutoModel.from_pretrained(folder, trust_remote_code=True, dtype=dtype).eval()
+    docs, starts = [13, 9, 20], [0, 13, 22]
+    batch = packed_batch(docs, 48, vocab=50, seed=7)
+    features = torch.randn(48, 2 * 64).to(dtype)
+    anchors = torch.tensor([0, 6, 12, 13, 17, 21, 22, 35, 41])  # starts, middles and ends of the three documents
+    same_drafts = 0
+    with torch.no_grad():
+        trained = drafter.logits(drafter.block_hidden(
+            features, batch["input_ids"], batch["position_ids"], batch["doc_ids"], anchors,
+            torch.ones(anchors.numel(), dtype=torch.bool),
+        ))  # [A, B, V]
+        for a, p in enumerate(anchors.tolist()):
+            s = starts[int(batch["doc_ids"][p])]
+            block = torch.full((1, 8), 52)
+            block[0, 0] = batch["input_ids"][p]
+            positions = torch.arange(0, p - s + 8)[None]  # the context's positions, then the block's
+            hidden = served(position_ids=positions, noise_embedding=drafter.embed(block),
+                            target_hidden=features[None, s:p])  # only the document's context before the anchor
+            logits = drafter.logits(hidden[0])  # [B, V]
+            torch.testing.assert_close(logits, trained[a], **TOLERANCE[dtype])
+            same_drafts += int((logits[1:].argmax(-1) == trained[a, 1:].argmax(-1)).sum())
+    # the draft tokens themselves: all equal in float32; bfloat16 may flip a near-tie
+    assert same_drafts == 7 * anchors.numel() if dtype == torch.float32 else same_drafts >= 0.9 * 7 * anchors.numel()
+
+
+def test_exported_spec_generate_is_lossless(tiny_target, tmp_path):
+    """The folder's own `spec_generate` (the published usage) equals the target's greedy decoding."""
+    target = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
+    drafter = parity_drafter(tiny_target, torch.float32)
+    served = AutoModel.from_pretrained(write_folder(drafter.config, drafter.state_dict(), tmp_path / "d"),
+                                       trust_remote_code=True).eval()
+    g = torch.Generator().manual_seed(0)
+    for i in range(4):
+        ids = torch.randint(4, 40, (5 + 3 * i,), generator=g)
+        out = served.spec_generate(target, ids[None], max_new_tokens=20, stop_token_ids=[2])
+        assert out[0, ids.numel():].tolist() == target_generate(target, ids, 20, 2).tokens
