@@ -109,5 +109,8 @@ def build_block_mask(
     keys = doc_ids.numel() + queries
     if doc_ids.device.type == "cpu":
         return create_mask(mask_mod, None, None, queries, keys, device="cpu")[0, 0]
-    return create_block_mask(mask_mod, None, None, queries, keys, device=doc_ids.device, BLOCK_SIZE=tile)
+    eager = not torch.compiler.is_compiling()  # outside a graph, let flex compile the mask builder itself
+    return create_block_mask(
+        mask_mod, None, None, queries, keys, device=doc_ids.device, BLOCK_SIZE=tile, _compile=eager
+    )
 

@@ -63,8 +63,13 @@ class DrafterConfig:
     attention_bias: bool = False
     """Bias on q/k/v/o projections (Qwen3: no)."""
 
-    def resolved(self, target_config: Any, tokenizer_len: int | None = None) -> DrafterConfig:
-        """Fill every None from the target's Hugging Face config and check the result."""
+    def resolved(
+        self, target_config: Any, tokenizer_len: int | None = None, reserved_ids: list[int] | tuple = ()
+    ) -> DrafterConfig:
+        """Fill every None from the target's Hugging Face config and check the result.
+
+        `reserved_ids` are special tokens the tokenizer knows but never emits (Llama 3's reserved ones).
+        """
         tc = target_config
         text = getattr(tc, "text_config", None) or tc  # multimodal targets keep the LM config inside
         rope_theta, rope_scaling = _rope_settings(text)
@@ -93,16 +98,19 @@ class DrafterConfig:
         if out.target_layer_ids is None:
             out.target_layer_ids = default_target_layer_ids(out.num_target_layers, out.num_layers)
         if out.mask_token_id is None:
-            if tokenizer_len is None or tokenizer_len >= out.vocab_size:
+            if tokenizer_len is not None and tokenizer_len < out.vocab_size:
+                out.mask_token_id = tokenizer_len  # the first row past the tokenizer's tokens
+            elif reserved_ids:
+                out.mask_token_id = reserved_ids[0]
+            else:
                 raise ConfigError(
                     f"mask_token_id: the tokenizer has {tokenizer_len} tokens and the embedding "
-                    f"{out.vocab_size} rows, so there is no spare row for MASK; set mask_token_id"
+                    f"{out.vocab_size} rows, with no spare or reserved row for MASK; set mask_token_id"
                 )
-            out.mask_token_id = tokenizer_len
-        out.check(tokenizer_len)
+        out.check(tokenizer_len, reserved_ids)
         return out
 
-    def check(self, tokenizer_len: int | None = None) -> None:
+    def check(self, tokenizer_len: int | None = None, reserved_ids: list[int] | tuple = ()) -> None:
         """Raise ConfigError naming the field of any value that cannot work."""
         if self.num_layers < 1:
             raise ConfigError(f"num_layers must be >= 1, got {self.num_layers}")
@@ -127,7 +135,7 @@ class DrafterConfig:
                     f"mask_token_id {self.mask_token_id} is outside the target's embedding "
                     f"(vocab_size {self.vocab_size})"
                 )
-            if tokenizer_len is not None and self.mask_token_id < tokenizer_len:
+            if tokenizer_len is not None and self.mask_token_id < tokenizer_len and self.mask_token_id not in reserved_ids:
                 raise ConfigError(
                     f"mask_token_id {self.mask_token_id} is a token the tokenizer emits (it has "
                     f"{tokenizer_len} tokens); use a row past them, e.g. {tokenizer_len}"

@@ -210,7 +210,18 @@ class DFlashDrafter(nn.Module):
         self.register_buffer("embed_weight", None, persistent=False)
         self.register_buffer("head_weight", None, persistent=False)
         self.head_chunk_size = 4096
+        self.head_loss = chunked_head_loss
         self.reset_parameters()
+
+    def compile_blocks(self, mode: str | None = None) -> None:
+        """Compile each decoder layer in place (one graph serves all of them) and the head loss.
+
+        Per-layer graphs compile about n times faster than one graph of the whole drafter and
+        keep state-dict keys free of `_orig_mod.`.
+        """
+        for layer in self.layers:
+            layer.compile(mode=mode, dynamic=False)
+        self.head_loss = torch.compile(chunked_head_loss, mode=mode, dynamic=False)
 
     def reset_parameters(self, std: float = 0.02) -> None:
         """Initialise linear layers as Hugging Face does (normal, std 0.02) and norms to one."""
@@ -262,7 +273,7 @@ class DFlashDrafter(nn.Module):
         """One training forward over a packed batch: blocks, weighted CE through the chunked frozen head."""
         hidden = self.block_hidden(features, input_ids, position_ids, doc_ids, anchors, anchor_valid)
         labels, weights = block_labels(input_ids, loss_mask, doc_ids, anchors, anchor_valid, slot_weights)
-        loss, top = chunked_head_loss(
+        loss, top = self.head_loss(
             hidden.flatten(0, 1), self.head_weight, labels.flatten(), weights.flatten(), self.head_chunk_size, topk
         )
         return DraftOutput(loss, weights, labels, None if top is None else top.unflatten(0, labels.shape))

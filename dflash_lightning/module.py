@@ -17,7 +17,7 @@ from dflash_lightning.blocks import select_anchors, slot_weights
 from dflash_lightning.config import ConfigError, DrafterConfig
 from dflash_lightning.metrics import DraftMetrics
 from dflash_lightning.model import DFlashDrafter, DraftOutput
-from dflash_lightning.target import load_target_config, load_target_io, tokenizer_length
+from dflash_lightning.target import load_target_config, load_target_io, tokenizer_ids
 
 BATCH_KEYS = ("input_ids", "position_ids", "doc_ids", "loss_mask")
 
@@ -76,7 +76,7 @@ class DFlashModule(LightningModule):
             betas: AdamW betas.
             warmup_ratio: Fraction of the steps spent in linear warmup before cosine decay.
             min_lr_ratio: Final learning rate as a fraction of `lr`.
-            compile: Compile the drafter in place with torch.compile after its buffers exist.
+            compile: Compile the drafter's layers and head loss in place after its buffers exist.
             compile_mode: torch.compile mode (None, "default", "reduce-overhead", "max-autotune-no-cudagraphs").
             metrics_every: Compute and log accuracy and acceptance metrics every N training batches.
             topk: Top-k accuracies to report; must include 1.
@@ -85,7 +85,7 @@ class DFlashModule(LightningModule):
         super().__init__()
         self.save_hyperparameters()
         drafter = drafter or DrafterConfig()
-        self.drafter_config = drafter.resolved(load_target_config(target), tokenizer_length(target))
+        self.drafter_config = drafter.resolved(load_target_config(target), *tokenizer_ids(target))
         cfg = self.drafter_config
         if token_budget < cfg.block_size:
             raise ConfigError(f"token_budget ({token_budget}) must be >= block_size ({cfg.block_size})")
@@ -111,13 +111,15 @@ class DFlashModule(LightningModule):
             hp.token_budget, cfg.num_context_layers * cfg.hidden_size, cfg.block_size, cfg.loss_gamma
         )
         if hp.compile:
-            self.drafter.compile(mode=hp.compile_mode, dynamic=False)
+            self.drafter.compile_blocks(hp.compile_mode)
 
     def step(self, batch: dict[str, Tensor], topk: int = 0, generator: torch.Generator | None = None) -> DraftOutput:
         """Loss (and top-k ids) of one packed batch through the persistent buffers."""
         if "context_features" not in batch:
             raise RuntimeError("batch has no 'context_features': add the TargetFeatures callback to the Trainer")
         buf = self.buffers_
+        if self.hparams.compile and self.hparams.compile_mode == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()  # CUDA graph outputs of the last step may be overwritten
         buf.load(batch)
         anchors, valid = select_anchors(buf.loss_mask, buf.doc_ids, self.hparams.num_anchors, generator)
         return self.drafter(

@@ -38,11 +38,19 @@ def load_target_config(path: str) -> Any:
     return getattr(config, "text_config", None) or config
 
 
-def tokenizer_length(path: str) -> int:
-    """Number of token ids the target's tokenizer can emit."""
+def tokenizer_ids(path: str) -> tuple[int | None, list[int]]:
+    """(number of token ids the tokenizer knows, ids of its reserved, never-emitted special tokens).
+
+    (None, []) for a folder without a tokenizer: then the mask id must be given explicitly.
+    """
     from transformers import AutoTokenizer
 
-    return len(AutoTokenizer.from_pretrained(resolve_model_dir(path)))
+    folder = resolve_model_dir(path)
+    if not any((folder / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None, []
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    reserved = sorted(i for i, t in tokenizer.added_tokens_decoder.items() if "reserved" in str(t.content))
+    return len(tokenizer), reserved
 
 
 def load_target_io(path: str) -> tuple[Tensor, Tensor]:

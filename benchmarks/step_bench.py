@@ -1,0 +1,279 @@
+"""Benchmark of the DFlash drafter step and the co-located pipeline on one GPU; prints one JSON object.
+
+Runs the project's own DFlashModule under a Lightning Trainer at the Qwen3-8B recipe shape with random
+weights (no download). Reproduce on an H200 with:
+
+    python benchmarks/step_bench.py --out benchmarks/results/h200.json
+
+FLOPs per step (model FLOPs, forward + backward, no recomputation counted):
+  linear layers   6 * tokens * in * out   (q, o, MLP on A*B block rows; k, v on block + context rows; fc on T rows)
+  attention       12 * head_dim * heads * visible (query, key) pairs, counted from the batch's block mask
+  frozen head     4 * A*B * hidden * vocab (logits forward and the hidden-state gradient; no weight gradient)
+MFU = FLOPs / step seconds / measured bf16 matmul peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from lightning.pytorch import Callback, LightningDataModule, Trainer
+
+from dflash_lightning.blocks import select_anchors
+from dflash_lightning.config import DrafterConfig
+from dflash_lightning.module import DFlashModule
+from dflash_lightning.target import FeatureExtractor, TargetFeatures
+
+QWEN3_8B = dict(
+    hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+    num_key_value_heads=8, head_dim=128, vocab_size=151936, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+    max_position_embeddings=40960, tie_word_embeddings=False,
+)
+MASK_ID = 151669
+
+
+def matmul_peak(n: int = 8192, iters: int = 20) -> float:
+    """Measured bf16 dense matmul throughput in FLOP/s (random operands)."""
+    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(iters):
+        a @ b
+    torch.cuda.synchronize()
+    return 2 * n**3 * iters / (time.perf_counter() - t)
+
+
+def write_target(folder: Path) -> Path:
+    """A Qwen3-8B-shaped target folder: config plus random embedding and head (all the module reads)."""
+    from safetensors.torch import save_file
+    from transformers import Qwen3Config
+
+    Qwen3Config(**QWEN3_8B).save_pretrained(folder)
+    g = torch.Generator().manual_seed(0)
+    shape = (QWEN3_8B["vocab_size"], QWEN3_8B["hidden_size"])
+    save_file(
+        {"model.embed_tokens.weight": (torch.randn(shape, generator=g) * 0.02).bfloat16(),
+         "lm_head.weight": (torch.randn(shape, generator=g) * 0.02).bfloat16()},
+        folder / "model.safetensors",
+    )
+    return folder
+
+
+def random_batch(token_budget: int, max_documents: int, seed: int) -> dict[str, torch.Tensor]:
+    """A packed row of chat-like documents (300-3000 tokens, ~70% supervised), fixed shapes."""
+    g = torch.Generator().manual_seed(seed)
+    ids, pos, doc, mask, lengths = [], [], [], [], []
+    while len(lengths) < max_documents:
+        n = int(torch.randint(300, 3000, (1,), generator=g))
+        n = min(n, token_budget - sum(lengths))
+        if n < 64:
+            break
+        prompt = n * 3 // 10
+        ids.append(torch.randint(0, MASK_ID, (n,), generator=g))
+        pos.append(torch.arange(n))
+        doc.append(torch.full((n,), len(lengths), dtype=torch.int32))
+        mask.append(torch.arange(n) >= prompt)
+        lengths.append(n)
+    pad = token_budget - sum(lengths)
+    ids.append(torch.zeros(pad, dtype=torch.long))
+    pos.append(torch.arange(pad))
+    doc.append(torch.full((pad,), -1, dtype=torch.int32))
+    mask.append(torch.zeros(pad, dtype=torch.bool))
+    doc_lengths = torch.zeros(max_documents, dtype=torch.int32)
+    doc_lengths[: len(lengths)] = torch.tensor(lengths, dtype=torch.int32)
+    return {"input_ids": torch.cat(ids), "position_ids": torch.cat(pos), "doc_ids": torch.cat(doc),
+            "loss_mask": torch.cat(mask), "doc_lengths": doc_lengths}
+
+
+class RandomData(LightningDataModule):
+    """A fixed pool of random packed batches, served round-robin (the data path is benchmarked apart)."""
+
+    def __init__(self, token_budget: int, max_documents: int = 64, pool: int = 8, steps: int = 100) -> None:
+        super().__init__()
+        self.batches = [random_batch(token_budget, max_documents, s) for s in range(pool)]
+        self.steps = steps
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(
+            [self.batches[i % len(self.batches)] for i in range(self.steps)], batch_size=None, pin_memory=True
+        )
+
+
+class RandomFeatures(Callback):
+    """Stands in for the target: fixed random context features already on the GPU."""
+
+    def setup(self, trainer, pl_module, stage):
+        cfg = pl_module.drafter_config
+        shape = (pl_module.hparams.token_budget, cfg.num_context_layers * cfg.hidden_size)
+        self.features = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        batch["context_features"] = self.features
+
+
+class StepTimer(Callback):
+    """Wall time of the first step (compile) and of the steps after warm-up, synchronised at the ends only."""
+
+    def __init__(self, warmup: int, measured: int) -> None:
+        self.warmup, self.measured = warmup, measured
+        self.first = self.steady = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == 0:
+            torch.cuda.synchronize()
+            self.t0 = time.perf_counter()
+        if batch_idx == self.warmup:
+            torch.cuda.synchronize()
+            self.frames = _compiled_frames()
+            torch.cuda.reset_peak_memory_stats()
+            self.t1 = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx == 0:
+            torch.cuda.synchronize()
+            self.first = time.perf_counter() - self.t0
+        if batch_idx == self.warmup + self.measured - 1:
+            torch.cuda.synchronize()
+            self.steady = (time.perf_counter() - self.t1) / self.measured
+            self.recompiles = _compiled_frames() - self.frames
+            self.peak_gb = torch.cuda.max_memory_allocated() / 1e9
+            trainer.should_stop = True
+
+
+def _compiled_frames() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(sum(counters["frames"].values()))
+
+
+def step_flops(module: DFlashModule, batch: dict[str, torch.Tensor]) -> float:
+    """Model FLOPs of one training step on `batch` (see the module docstring)."""
+    cfg, hp = module.drafter_config, module.hparams
+    T, A, B = hp.token_budget, hp.num_anchors, cfg.block_size
+    H, mlp, V, d = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
+    hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    N = A * B
+    per_layer = N * H * hq * d * 2 + (N + T) * H * hkv * d * 2 + 3 * N * H * mlp
+    linear = 6 * (cfg.num_layers * per_layer + T * cfg.num_context_layers * H * H)
+    anchors, valid = select_anchors(batch["loss_mask"], batch["doc_ids"], A, torch.Generator().manual_seed(0))
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), batch["doc_lengths"].long().cumsum(0)])
+    doc = batch["doc_ids"][anchors].long().clamp(min=0)
+    visible_ctx = (anchors - starts[doc]) * valid  # context positions strictly before each anchor
+    pairs = float(((visible_ctx + B) * B).sum())
+    attention = 12 * d * hq * pairs * cfg.num_layers
+    head = 4 * N * H * V
+    return float(linear + attention + head)
+
+
+def run_fit(target: Path, compile: bool, mode: str | None, warmup: int, measured: int, features: Callback,
+            token_budget: int = 8192, anchors: int = 512) -> dict:
+    """One Trainer.fit of warmup + measured steps; returns timings, memory, recompiles."""
+    torch._dynamo.reset()
+    module = DFlashModule(
+        str(target), DrafterConfig(num_layers=5, block_size=16, mask_token_id=MASK_ID),
+        token_budget=token_budget, num_anchors=anchors, compile=compile, compile_mode=mode, metrics_every=8,
+    )
+    timer = StepTimer(warmup, measured)
+    data = RandomData(token_budget, steps=warmup + measured + 1)
+    trainer = Trainer(
+        accelerator="gpu", devices=1, precision="bf16-true", max_steps=warmup + measured, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, gradient_clip_val=1.0, enable_model_summary=False,
+        callbacks=[features, timer], log_every_n_steps=8,
+    )
+    trainer.fit(module, datamodule=data)
+    flops = step_flops(module, data.batches[0])
+    N = anchors * module.drafter_config.block_size
+    return {
+        "compile": compile, "mode": mode, "first_step_s": timer.first, "step_s": timer.steady,
+        "compile_s": timer.first - timer.steady, "draft_tokens_per_s": N / timer.steady,
+        "context_tokens_per_s": token_budget / timer.steady, "tflop_per_step": flops / 1e12,
+        "tflops": flops / timer.steady / 1e12, "peak_gb": timer.peak_gb, "recompiles_after_warmup": timer.recompiles,
+    }
+
+
+def target_rate(extractor: FeatureExtractor, token_budget: int, iters: int = 10) -> float:
+    """Context tokens per second of the target's feature forward alone."""
+    batch = {k: v.cuda() for k, v in random_batch(token_budget, 64, 0).items()}
+    for _ in range(2):
+        extractor(batch["input_ids"], batch["position_ids"])
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(iters):
+        extractor(batch["input_ids"], batch["position_ids"])
+    torch.cuda.synchronize()
+    return token_budget * iters / (time.perf_counter() - t)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--modes", default="default", help="comma list of compile modes to measure")
+    parser.add_argument("--warmup", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--pipeline-steps", type=int, default=200, help="measured steps of the co-located pipeline")
+    parser.add_argument("--skip", default="", help="comma list of parts to skip: eager,pipeline")
+    args = parser.parse_args()
+    torch.set_float32_matmul_precision("high")
+    skip = set(args.skip.split(","))
+    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "date": time.strftime("%Y-%m-%d"), "shape": {"token_budget": 8192, "anchors": 512, "block": 16,
+                                                          "layers": 5, **QWEN3_8B}}
+    peak = matmul_peak()
+    result["bf16_matmul_peak_tflops"] = peak / 1e12
+    with tempfile.TemporaryDirectory() as tmp:
+        target = write_target(Path(tmp))
+        runs = {}
+        for mode in args.modes.split(","):
+            name = f"compiled[{mode}]"
+            try:
+                runs[name] = run_fit(target, True, None if mode == "default" else mode, args.warmup, args.steps,
+                                     RandomFeatures())
+                runs[name]["mfu"] = runs[name]["tflops"] * 1e12 / peak
+            except Exception as err:  # a mode that fails is reported, not fatal
+                runs[name] = {"error": f"{type(err).__name__}: {err}"[:2000]}
+            print(json.dumps({name: runs[name]}), flush=True)
+        if "eager" not in skip:
+            runs["eager"] = run_fit(target, False, None, 3, 10, RandomFeatures())
+            runs["eager"]["mfu"] = runs["eager"]["tflops"] * 1e12 / peak
+            print(json.dumps({"eager": runs["eager"]}), flush=True)
+        result["drafter_step"] = runs
+        best = min((r for r in runs.values() if "step_s" in r and r["compile"]), key=lambda r: r["step_s"])
+        if "pipeline" not in skip:
+            from transformers import AutoModel, Qwen3Config
+
+            torch.manual_seed(0)
+            cfg = Qwen3Config(**{**QWEN3_8B, "num_hidden_layers": 34})  # layers past max(ids)=33 are never run
+            with torch.device("cuda"):
+                model = AutoModel.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
+            extractor = FeatureExtractor(model, [1, 9, 17, 25, 33], 36).cuda()
+            t_rate = target_rate(extractor, 8192)
+            callback = TargetFeatures(str(target))
+            callback.extractor = extractor
+            pipe = run_fit(target, True, best["mode"], args.warmup, args.pipeline_steps, callback)
+            d_rate = best["context_tokens_per_s"]
+            bound = 1 / (1 / t_rate + 1 / d_rate)
+            result["colocated_pipeline"] = {
+                "target_tokens_per_s": t_rate, "drafter_tokens_per_s": d_rate, "bound_tokens_per_s": bound,
+                "pipeline_tokens_per_s": pipe["context_tokens_per_s"],
+                "fraction_of_bound": pipe["context_tokens_per_s"] / bound, "peak_gb": pipe["peak_gb"],
+                "recompiles_after_warmup": pipe["recompiles_after_warmup"], "steps": args.warmup + args.pipeline_steps,
+                "mode": best["mode"],
+            }
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "bench.json").write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
