@@ -135,7 +135,8 @@ class DrafterConfig:
                     f"mask_token_id {self.mask_token_id} is outside the target's embedding "
                     f"(vocab_size {self.vocab_size})"
                 )
-            if tokenizer_len is not None and self.mask_token_id < tokenizer_len and self.mask_token_id not in reserved_ids:
+            emitted = tokenizer_len is not None and self.mask_token_id < tokenizer_len
+            if emitted and self.mask_token_id not in reserved_ids:
                 raise ConfigError(
                     f"mask_token_id {self.mask_token_id} is a token the tokenizer emits (it has "
                     f"{tokenizer_len} tokens); use a row past them, e.g. {tokenizer_len}"
