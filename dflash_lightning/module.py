@@ -51,7 +51,7 @@ class DFlashModule(LightningModule):
     def __init__(
         self,
         target: str,
-        drafter: DrafterConfig | None = None,
+        drafter: DrafterConfig = DrafterConfig(),  # noqa: B008 (read only; jsonargparse needs a plain dataclass)
         token_budget: int = 8192,
         num_anchors: int = 512,
         lr: float = 6e-4,
@@ -84,7 +84,6 @@ class DFlashModule(LightningModule):
         """
         super().__init__()
         self.save_hyperparameters()
-        drafter = drafter or DrafterConfig()
         self.drafter_config = drafter.resolved(load_target_config(target), *tokenizer_ids(target))
         cfg = self.drafter_config
         if token_budget < cfg.block_size:

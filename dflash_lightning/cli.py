@@ -1,0 +1,56 @@
+"""Command line: `python -m dflash_lightning fit|validate|export|evaluate ...`.
+
+fit and validate are LightningCLI; values that data, model and target must share are typed once and
+linked: the target path, the token budget and the block size.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from lightning.pytorch.cli import LightningCLI
+
+from dflash_lightning.data import DFlashDataModule
+from dflash_lightning.module import DFlashModule
+from dflash_lightning.target import TargetFeatures
+
+
+class DFlashCLI(LightningCLI):
+    """LightningCLI with a `target` section (the TargetFeatures callback) and the DFlash links."""
+
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        """Only the Trainer entry points that mean something for a drafter."""
+        return {"fit": {"model", "train_dataloaders", "val_dataloaders", "datamodule"},
+                "validate": {"model", "dataloaders", "datamodule"}}
+
+    def add_arguments_to_parser(self, parser) -> None:
+        parser.add_lightning_class_args(TargetFeatures, "target")
+        parser.link_arguments("target.path", "model.target")
+        parser.link_arguments("target.path", "data.tokenizer")
+        parser.link_arguments("data.token_budget", "model.token_budget")
+        parser.link_arguments("model.drafter.block_size", "data.block_size")
+
+
+# Commands that are not Trainer methods: name -> module with a `main(argv)`.
+TOOLS = {"export": "dflash_lightning.export", "evaluate": "dflash_lightning.evaluate"}
+
+
+def cli_main(args: list[str] | None = None, run: bool = True) -> DFlashCLI | None:
+    """Entry point of `python -m dflash_lightning`; `run=False` only parses and instantiates."""
+    argv = sys.argv[1:] if args is None else args
+    if argv and argv[0] in TOOLS:
+        import importlib
+
+        importlib.import_module(TOOLS[argv[0]]).main(argv[1:])
+        return None
+    torch.set_float32_matmul_precision("high")
+    return DFlashCLI(
+        DFlashModule,
+        DFlashDataModule,
+        args=argv,
+        run=run,
+        save_config_kwargs={"overwrite": True},
+        auto_configure_optimizers=False,
+    )
