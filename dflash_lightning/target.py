@@ -117,9 +117,16 @@ class FeatureExtractor(nn.Module):
         t_text.num_hidden_layers = keep
         if isinstance(getattr(t_text, "layer_types", None), list):
             t_text.layer_types = t_text.layer_types[:keep]
-        model = AutoModel.from_pretrained(
-            folder, config=truncated, dtype=dtype, attn_implementation=attn_implementation
-        )
+        from transformers.utils import logging as hf_logging
+
+        level = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()  # the skipped layers and head are expected, not worth a warning
+        try:
+            model = AutoModel.from_pretrained(
+                folder, config=truncated, dtype=dtype, attn_implementation=attn_implementation
+            )
+        finally:
+            hf_logging.set_verbosity(level)
         model = getattr(model, "language_model", model)
         return cls(model, layer_ids, total).to(device)
 
@@ -152,6 +159,81 @@ def _decoder_layers(model: nn.Module) -> nn.ModuleList:
     raise TypeError(f"cannot find the decoder layers of {type(model).__name__}")
 
 
+class FeaturePrefetcher:
+    """Wraps a dataloader: target threads on their own devices compute features ahead of the trainer.
+
+    Batch i+1.. are computed while the drafter trains on batch i, at most `depth` batches ahead per
+    device; batches come out in loader order. Only the eager target runs in the threads; every
+    compiled drafter call stays on the trainer's thread.
+    """
+
+    def __init__(self, loader: Any, extractors: list[FeatureExtractor], out_device: torch.device, depth: int) -> None:
+        self.loader, self.extractors, self.out_device, self.depth = loader, extractors, out_device, depth
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name: str) -> Any:  # sampler, dataset, state_dict ... of the wrapped loader
+        return getattr(self.loader, name)
+
+    def __iter__(self):
+        import queue
+        import threading
+
+        n = len(self.extractors)
+        source, lock, stop = iter(self.loader), threading.Lock(), threading.Event()
+        outs = [queue.Queue(maxsize=self.depth) for _ in range(n)]
+        turn = [0]  # next batch index to take from the source; threads take batches in strict rotation
+        cond = threading.Condition(lock)
+
+        def work(rank: int) -> None:
+            extractor = self.extractors[rank]
+            device = next(extractor.parameters()).device
+            while not stop.is_set():
+                with cond:
+                    cond.wait_for(lambda: turn[0] % n == rank or stop.is_set())
+                    if stop.is_set():
+                        return
+                    try:
+                        batch = next(source)
+                    except StopIteration:
+                        batch = None
+                    except BaseException as err:  # hand loader errors to the trainer's thread
+                        batch = err
+                    turn[0] += 1
+                    cond.notify_all()
+                if batch is None or isinstance(batch, BaseException):
+                    outs[rank].put(batch)
+                    return
+                try:
+                    feats = extractor(batch["input_ids"].to(device), batch["position_ids"].to(device))
+                    batch["context_features"] = feats.to(self.out_device)
+                except BaseException as err:
+                    batch = err
+                outs[rank].put(batch)
+
+        threads = [threading.Thread(target=work, args=(r,), daemon=True) for r in range(n)]
+        for t in threads:
+            t.start()
+        try:
+            i = 0
+            while True:
+                item = outs[i % n].get()
+                if item is None:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                i += 1
+        finally:
+            stop.set()
+            with cond:
+                cond.notify_all()
+            for q in outs:  # unblock producers waiting on a full queue
+                while not q.empty():
+                    q.get_nowait()
+
+
 class TargetFeatures(Callback):
     """Owns the frozen target and puts each batch's context features into it before the step."""
 
@@ -159,30 +241,60 @@ class TargetFeatures(Callback):
         self,
         path: str,
         dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16",
-        placement: Literal["colocated"] = "colocated",
+        placement: Literal["colocated", "separate"] = "colocated",
+        target_devices: list[str] | None = None,
+        prefetch: int = 2,
         attn_implementation: str = "sdpa",
     ) -> None:
         """
         Args:
             path: Hugging Face model folder or hub id of the target.
             dtype: Dtype the target runs in.
-            placement: Where the target runs; `colocated`: on the trainer's own device.
+            placement: `colocated`: the target runs on the trainer's own device, features never leave it;
+                `separate`: copies of the target on `target_devices` compute features ahead in threads.
+            target_devices: Devices of the target copies for `separate` (e.g. [cuda:2, cuda:3]).
+            prefetch: Batches each separate target may compute ahead of the trainer (a bounded queue).
             attn_implementation: transformers attention backend of the target (sdpa, eager, flex_attention).
         """
+        if placement == "separate" and not target_devices:
+            raise ValueError("target.target_devices: name the devices of the target for placement 'separate'")
+        if prefetch < 1:
+            raise ValueError(f"target.prefetch must be >= 1, got {prefetch}")
         self.path, self.dtype, self.placement, self.attn_implementation = path, dtype, placement, attn_implementation
+        self.target_devices, self.prefetch = list(target_devices or []), prefetch
         self.extractor: FeatureExtractor | None = None
+        self.extractors: list[FeatureExtractor] = []
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if self.extractor is not None:
+        if self.extractor is not None or self.extractors:
             return
         layer_ids = pl_module.drafter_config.target_layer_ids
-        self.extractor = FeatureExtractor.from_pretrained(
-            self.path, layer_ids, DTYPES[self.dtype], trainer.strategy.root_device, self.attn_implementation
-        )
+
+        def load(device: torch.device | str) -> FeatureExtractor:
+            return FeatureExtractor.from_pretrained(self.path, layer_ids, DTYPES[self.dtype], device,
+                                                    self.attn_implementation)
+
+        if self.placement == "colocated":
+            self.extractor = load(trainer.strategy.root_device)
+            return
+        self.extractors = [load(d) for d in self.target_devices]
+        datamodule, device = trainer.datamodule, trainer.strategy.root_device
+        for name in ("train_dataloader", "val_dataloader"):
+            make = getattr(datamodule, name)
+            setattr(datamodule, name, lambda make=make: self.prefetched(make(), device))
+
+    def prefetched(self, loader: Any, device: torch.device) -> Any:
+        """`loader` with features computed ahead by the separate targets (empty loaders pass through)."""
+        if isinstance(loader, (list, tuple)) and not loader:
+            return loader
+        return FeaturePrefetcher(loader, self.extractors, device, self.prefetch)
 
     def add_features(self, batch: dict[str, Tensor]) -> None:
-        """Write `context_features [T, K*H]` into the batch."""
-        assert self.extractor is not None, "TargetFeatures.setup has not run"
+        """Write `context_features [T, K*H]` into the batch unless a separate target already did."""
+        if "context_features" in batch:
+            return
+        if self.extractor is None:
+            raise RuntimeError("TargetFeatures: a batch arrived without features and no target is on this device")
         batch["context_features"] = self.extractor(batch["input_ids"], batch["position_ids"])
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:

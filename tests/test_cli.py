@@ -90,3 +90,15 @@ def test_every_shipped_config_parses_and_instantiates(name, tmp_path):
     assert cli.model.drafter_config.block_size == config["model"]["drafter"]["block_size"]
     assert cli.model.drafter_config.num_layers == config["model"]["drafter"]["num_layers"]
     assert cli.datamodule.hparams.block_size == cli.model.drafter_config.block_size
+
+
+def test_separate_target_placement_gives_the_same_run(run_config):
+    """Features computed ahead by a target in its own thread/device give the same losses as co-located."""
+    losses = {}
+    for placement in ("colocated", "separate"):
+        extra = ["--target.target_devices=[cpu]", "--target.prefetch=2"] if placement == "separate" else []
+        cli = cli_main(["fit", "--config", str(run_config), "--model.metrics_every=1", "--trainer.max_steps=3",
+                        f"--target.placement={placement}", *extra, "--trainer.enable_checkpointing=false"])
+        losses[placement] = (float(cli.trainer.logged_metrics["train/loss"]),
+                             float(cli.trainer.logged_metrics["val/loss"]))
+    assert losses["colocated"] == pytest.approx(losses["separate"], rel=1e-6)
