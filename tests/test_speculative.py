@@ -77,11 +77,11 @@ class OracleDecoder(SpeculativeDecoder):
     def draft(self, context, x, start):
         super().draft(context, x, start)  # run the real drafting path too
         k = start - self.prompt_len  # x is truth[k]
-        right = torch.tensor((self.truth + [0] * 64)[k + 1: k + self.block_size])
+        right = torch.tensor((self.truth + [0] * 64)[k + 1: k + self.block_size], device=x.device)
         wrong = self.first_wrong_slot()
         # the decoder verifies only the drafts still wanted: len(truth) - (k + 1) tokens are left
         self.expected.append(min(wrong - 1, min(self.block_size, len(self.truth) - k - 1) - 1))
-        return torch.where(torch.arange(1, self.block_size) < wrong, right, (right + 1) % 50)
+        return torch.where(torch.arange(1, self.block_size, device=x.device) < wrong, right, (right + 1) % 50)
 
 
 @pytest.mark.parametrize("block_size", [4, 16])
