@@ -14,6 +14,7 @@ from lightning.pytorch.cli import LightningCLI
 from dflash_lightning.data import DFlashDataModule
 from dflash_lightning.module import DFlashModule
 from dflash_lightning.target import TargetFeatures
+from dflash_lightning.validation import SpeculativeValidation
 
 
 class DFlashCLI(LightningCLI):
@@ -27,7 +28,10 @@ class DFlashCLI(LightningCLI):
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_lightning_class_args(TargetFeatures, "target")
+        parser.add_lightning_class_args(SpeculativeValidation, "spec_eval")
         parser.link_arguments("target.path", "model.target")
+        parser.link_arguments("target.path", "spec_eval.target")
+        parser.link_arguments("target.dtype", "spec_eval.dtype")
         parser.link_arguments("target.path", "data.tokenizer")
         parser.link_arguments("data.token_budget", "model.token_budget")
         parser.link_arguments("model.drafter.block_size", "data.block_size")

@@ -47,7 +47,9 @@ def run_config(tmp_path_factory) -> Path:
 
 
 def test_fit_runs_through_the_cli_and_logs(run_config):
-    cli = cli_main(["fit", "--config", str(run_config), "--model.metrics_every=2"])
+    prompts = run_config.parent / "val.jsonl"
+    cli = cli_main(["fit", "--config", str(run_config), "--model.metrics_every=2", f"--spec_eval.prompts={prompts}",
+                    "--spec_eval.every_n_steps=2", "--spec_eval.num_prompts=2", "--spec_eval.max_new_tokens=8"])
     trainer, module = cli.trainer, cli.model
     assert trainer.global_step == 4
     # Linked once, used everywhere.
@@ -55,8 +57,9 @@ def test_fit_runs_through_the_cli_and_logs(run_config):
     assert module.hparams.token_budget == cli.datamodule.hparams.token_budget == 256
     assert cli.datamodule.hparams.block_size == module.drafter_config.block_size == 8
     logged = trainer.logged_metrics
-    for key in ("train/loss", "train/acc", "train/tau", "train/top5", "val/loss", "val/tau"):
+    for key in ("train/loss", "train/acc", "train/tau", "train/top5", "val/loss", "val/tau", "val/tau_served"):
         assert key in logged, key
+    assert logged["val/speculative_mismatches"] == 0  # served decoding is lossless
     metrics_csv = next(Path(trainer.default_root_dir).rglob("metrics.csv"))
     assert "train/acc/slot_01" in metrics_csv.read_text().splitlines()[0]
     ckpt = next(Path(trainer.default_root_dir).rglob("*.ckpt"))
