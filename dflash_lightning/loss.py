@@ -43,9 +43,29 @@ class _HeadCrossEntropy(torch.autograd.Function):
 
 
 def chunked_head_loss(
-    hidden: Tensor, head: Tensor, labels: Tensor, weights: Tensor, chunk: int = 4096, topk: int = 0
+    hidden: Tensor, head: Tensor, labels: Tensor, weights: Tensor, chunk: int = 4096, topk: int = 0,
+    denominator: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """Loss sum(w * CE) / sum(w) over rows `hidden [N, H]`, plus the top-k token ids `[N, k]` if asked."""
-    norm = weights / weights.sum().clamp_min(1e-12)
+    """Loss sum(w * CE) / denominator over rows `hidden [N, H]`, plus the top-k token ids `[N, k]` if asked.
+
+    The denominator defaults to sum(w); data-parallel training passes `rank_mean_weight(weights)`.
+    """
+    denominator = weights.sum() if denominator is None else denominator
+    norm = weights / denominator.clamp_min(1e-12)
     loss, top = _HeadCrossEntropy.apply(hidden, head.to(hidden.dtype), labels, norm, chunk, topk)
     return loss, (top if topk else None)
+
+
+def rank_mean_weight(weights: Tensor) -> Tensor:
+    """sum(w) averaged over data-parallel ranks, so that DDP's gradient mean is sum(w * CE) / sum(w) globally.
+
+    Without it each rank would normalise by its own weights, and the loss would depend on the rank count.
+    """
+    import torch.distributed as dist
+
+    total = weights.sum()
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return total
+    total = total.detach().clone()
+    dist.all_reduce(total)
+    return total / dist.get_world_size()

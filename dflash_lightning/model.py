@@ -16,7 +16,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from dflash_lightning.blocks import block_input_ids, block_labels, build_block_mask
 from dflash_lightning.config import DrafterConfig
-from dflash_lightning.loss import chunked_head_loss
+from dflash_lightning.loss import chunked_head_loss, rank_mean_weight
 
 
 class RMSNorm(nn.Module):
@@ -274,7 +274,8 @@ class DFlashDrafter(nn.Module):
         hidden = self.block_hidden(features, input_ids, position_ids, doc_ids, anchors, anchor_valid)
         labels, weights = block_labels(input_ids, loss_mask, doc_ids, anchors, anchor_valid, slot_weights)
         loss, top = self.head_loss(
-            hidden.flatten(0, 1), self.head_weight, labels.flatten(), weights.flatten(), self.head_chunk_size, topk
+            hidden.flatten(0, 1), self.head_weight, labels.flatten(), weights.flatten(), self.head_chunk_size, topk,
+            rank_mean_weight(weights),
         )
         return DraftOutput(loss, weights, labels, None if top is None else top.unflatten(0, labels.shape))
 
