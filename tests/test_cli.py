@@ -41,6 +41,10 @@ def run_config(tmp_path_factory) -> Path:
                              limit_val_batches=2, log_every_n_steps=1)
     for logger in config["trainer"]["logger"]:
         logger["init_args"]["save_dir"] = str(root / "runs")
+    for callback in config["trainer"]["callbacks"]:
+        if callback["class_path"].endswith("ModelCheckpoint"):
+            callback["init_args"]["dirpath"] = str(root / "runs" / "checkpoints")
+    config.setdefault("spec_eval", {})["prompts"] = None
     path = root / "config.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
@@ -101,7 +105,7 @@ def test_separate_target_placement_gives_the_same_run(run_config):
     for placement in ("colocated", "separate"):
         extra = ["--target.target_devices=[cpu]", "--target.prefetch=2"] if placement == "separate" else []
         cli = cli_main(["fit", "--config", str(run_config), "--model.metrics_every=1", "--trainer.max_steps=3",
-                        f"--target.placement={placement}", *extra, "--trainer.enable_checkpointing=false"])
+                        f"--target.placement={placement}", *extra])
         losses[placement] = (float(cli.trainer.logged_metrics["train/loss"]),
                              float(cli.trainer.logged_metrics["val/loss"]))
     assert losses["colocated"] == pytest.approx(losses["separate"], rel=1e-6)
