@@ -39,6 +39,8 @@ class DFlashCLI(LightningCLI):
 
 # Commands that are not Trainer methods: name -> module with a `main(argv)`.
 TOOLS = {"export": "dflash_lightning.export", "evaluate": "dflash_lightning.evaluate"}
+TOOLS["regenerate"] = "dflash_lightning.regenerate"
+TOOLS["cache"] = "dflash_lightning.features_cache"
 
 
 def cli_main(args: list[str] | None = None, run: bool = True) -> DFlashCLI | None:

@@ -1,5 +1,6 @@
 """`DFlashDataModule`: conversation files -> tokenized samples (in `setup`) -> one packed fixed-shape row
-per batch, repacked every epoch, resumable mid-epoch through `state_dict`.
+per batch, repacked every epoch, resumable mid-epoch through `state_dict`; with `feature_cache`, every batch
+also carries the target's context features read from a cache (features_cache.py) instead of the target.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ from dflash_lightning.data.packing import (
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from dflash_lightning.features_cache import SplitFeatures
+
 log = logging.getLogger(__name__)
 
 CACHE_VERSION = 1  # bump when tokenization changes meaning, so old caches are not reused
@@ -49,17 +52,22 @@ def _rank_zero(level: int, message: str) -> None:
 
 
 class _Rows:
-    """Collates packed rows of tokenized documents into `PackedBatch`es."""
+    """Collates packed rows of tokenized documents into `PackedBatch`es (with cached features if given)."""
 
-    def __init__(self, samples: TokenizedSamples, token_budget: int, max_documents: int, pad_id: int) -> None:
+    def __init__(self, samples: TokenizedSamples, token_budget: int, max_documents: int, pad_id: int,
+                 features: SplitFeatures | None = None) -> None:
         self.samples = samples
         self.token_budget = token_budget
         self.max_documents = max_documents
         self.pad_id = pad_id
+        self.features = features
 
     def collate(self, row: list[int]) -> PackedBatch:
         docs = [self.samples.document(i) for i in row]
-        return collate_documents(docs, self.token_budget, self.max_documents, self.pad_id)
+        batch = collate_documents(docs, self.token_budget, self.max_documents, self.pad_id)
+        if self.features is not None:
+            batch.update(self.features.packed(row, self.token_budget))  # type: ignore[typeddict-item]
+        return batch
 
 
 class _ValRows(_Rows, Dataset):
@@ -139,6 +147,9 @@ class DFlashDataModule(LightningDataModule):
         on_bad_record: "error" raises on the first bad record; "skip" drops bad records and logs counts.
         val_batches: Most validation batches (packed rows, over all processes); None for all.
         cache_dir: Folder for tokenized samples, written in `prepare_data` and reused while inputs are unchanged.
+        feature_cache: Folder written by `python -m dflash_lightning cache`: batches then carry
+            `context_features` [T, K*H] read from it, and the run needs no target (leave out the `target`
+            callback). The cache must match the data, tokenizer, settings, target and layer ids (checked in setup).
     """
 
     def __init__(
@@ -158,6 +169,7 @@ class DFlashDataModule(LightningDataModule):
         on_bad_record: Literal["error", "skip"] = "error",
         val_batches: int | None = None,
         cache_dir: str | None = None,
+        feature_cache: str | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -190,6 +202,7 @@ class DFlashDataModule(LightningDataModule):
         self._tokenizer: PreTrainedTokenizerBase | None = None
         self.train_samples: TokenizedSamples | None = None
         self.val_samples: TokenizedSamples | None = None
+        self._features: dict[str, SplitFeatures] = {}  # split -> cached context features, with feature_cache
         self._packer: EpochPacker | None = None
         self._val_rows: list[list[int]] | None = None
         # the position of the training stream: epoch and batches served in it (what state_dict saves)
@@ -227,10 +240,56 @@ class DFlashDataModule(LightningDataModule):
 
     def setup(self, stage: str | None = None) -> None:
         """Reads and tokenizes the data of `stage`; every bad input raises here, before any model compute."""
-        if stage in (None, "fit") and self.train_samples is None:
-            self.train_samples = self._load_split("train", self.train_paths)
-        if stage in (None, "fit", "validate") and self.val_paths and self.val_samples is None:
+        splits = []
+        if stage in (None, "fit"):
+            splits.append("train")
+        if stage in (None, "fit", "validate") and self.val_paths:
+            splits.append("val")
+        for split in splits:
+            self.samples(split)
+        if self.hparams.feature_cache is not None:
+            self._open_feature_cache([s for s in splits if s not in self._features])
+
+    def samples(self, split: Literal["train", "val"]) -> TokenizedSamples:
+        """The tokenized samples of a split, read and tokenized (or loaded from `cache_dir`) on first use."""
+        if split == "train":
+            if self.train_samples is None:
+                self.train_samples = self._load_split("train", self.train_paths)
+            return self.train_samples
+        if self.val_samples is None:
             self.val_samples = self._load_split("val", self.val_paths)
+        return self.val_samples
+
+    def _open_feature_cache(self, splits: list[str]) -> None:
+        """Checks the cache against this data (and the trainer's drafter, if any) and opens its splits."""
+        from dflash_lightning.features_cache import FeatureCache, data_header, target_header
+        from dflash_lightning.target import TargetFeatures
+
+        if not splits:
+            return
+        cache = FeatureCache(self.hparams.feature_cache)
+        paths = {"train": self.train_paths, "val": self.val_paths}
+        expected = data_header(self, {s: (paths[s], self.samples(s)) for s in splits})
+        module = self.trainer.lightning_module if self.trainer is not None else None
+        drafter = getattr(module, "drafter_config", None)
+        if drafter is not None:  # the features must be those of the drafter's target and layers
+            expected |= target_header(module.hparams.target, drafter.target_layer_ids, drafter.hidden_size)
+        cache.check(expected)
+        for split in splits:
+            self._features[split] = cache.split(split)
+        _rank_zero(logging.INFO, f"context features of {', '.join(splits)} from {cache.folder} "
+                   f"({cache.feature_format}, {cache.manifest['feature_dim']} per token)")
+        if self.trainer is not None and any(isinstance(c, TargetFeatures) for c in self.trainer.callbacks):
+            _rank_zero(logging.WARNING, "data.feature_cache is set but a TargetFeatures callback is present: it "
+                       "recomputes every batch's features with the target and the cache goes unused")
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """fp8 cached features are dequantised here, on the device: half the bytes cross the host link."""
+        if isinstance(batch, dict) and "context_features_fp8" in batch:
+            from dflash_lightning.features_cache import dequantize
+
+            batch["context_features"] = dequantize(batch.pop("context_features_fp8"), batch.pop("context_scales"))
+        return batch
 
     def _load_split(self, split: str, paths: list[Path]) -> TokenizedSamples:
         cache = self._cache_path(split, paths) if self.hparams.cache_dir is not None else None
@@ -280,7 +339,9 @@ class DFlashDataModule(LightningDataModule):
                 self.hparams.seed, multiple_of=world_size,
             )
         length = math.ceil(self._packer.rows_per_epoch / world_size)
-        dataset = _TrainRows(length, samples, self.token_budget, self.max_documents, self.pad_id)
+        dataset = _TrainRows(
+            length, samples, self.token_budget, self.max_documents, self.pad_id, self._features.get("train")
+        )
         return _TrainLoader(
             self, dataset, num_workers=self.hparams.num_workers, pin_memory=torch.cuda.is_available()
         )
@@ -294,7 +355,9 @@ class DFlashDataModule(LightningDataModule):
             lengths = samples.lengths()
             rows = pack_documents(lengths, self.token_budget, self.max_documents, self.hparams.shuffle_buffer, None)
             self._val_rows = rows[: self.hparams.val_batches]
-        dataset = _ValRows(self._val_rows, samples, self.token_budget, self.max_documents, self.pad_id)
+        dataset = _ValRows(
+            self._val_rows, samples, self.token_budget, self.max_documents, self.pad_id, self._features.get("val")
+        )
         return DataLoader(
             dataset, batch_size=None, shuffle=False, num_workers=self.hparams.num_workers,
             pin_memory=torch.cuda.is_available(),

@@ -1,0 +1,291 @@
+"""The feature cache: stored features equal the target's (bf16 bitwise, fp8 within its rounding bound), a fit
+from the cache sees the same batches and losses as online, resume after an interruption, refused mismatches,
+and damaged shards named."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from conftest import make_target
+from lightning.pytorch import Callback, Trainer, seed_everything
+from test_cli import CONFIGS, write_conversations
+
+import dflash_lightning.features_cache as fc
+from dflash_lightning.cli import cli_main
+from dflash_lightning.config import DrafterConfig
+from dflash_lightning.data import DFlashDataModule
+from dflash_lightning.features_cache import FeatureCache, FeatureCacheError, dequantize, quantize_fp8
+from dflash_lightning.module import DFlashModule
+from dflash_lightning.target import FeatureExtractor, TargetFeatures
+
+LAYER_IDS = [1, 3]  # the default for a 2-layer drafter on a 6-layer target
+SHARD_GB = "0.00008"  # ~80 KB: the 40 training samples spread over several shards
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory) -> dict:
+    """A tiny target, data, a fit config and a bf16 and an fp8 cache of them made through the CLI."""
+    root = tmp_path_factory.mktemp("fc")
+    target = make_target(root / "target", layers=6, hidden=32, heads=2, kv_heads=1)
+    train = write_conversations(root / "train.jsonl", 40)
+    val = write_conversations(root / "val.jsonl", 8, seed=1)
+    config = yaml.safe_load((CONFIGS / "tiny.yaml").read_text())
+    config["target"]["path"] = str(target)
+    config["data"].update(train_files=[str(train)], val_files=[str(val)], token_budget=256, max_documents=8)
+    config["model"]["drafter"].update(num_layers=2, block_size=8)
+    config["trainer"].update(callbacks=[], logger=False)
+    config.pop("spec_eval", None)  # off (its prompts are not part of this data)
+    path = root / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    for fmt in ("bf16", "fp8"):
+        cli_main(["cache", "--config", str(path), "--out", str(root / fmt), "--format", fmt, "--shard_gb", SHARD_GB])
+    return {"root": root, "target": str(target), "train": str(train), "val": str(val), "config": str(path)}
+
+
+def make_dm(s: dict, **overrides) -> DFlashDataModule:
+    kwargs = dict(train_files=[s["train"]], val_files=[s["val"]], tokenizer=s["target"], token_budget=256,
+                  max_documents=8, block_size=8)
+    return DFlashDataModule(**(kwargs | overrides))
+
+
+def cache_cli(s: dict, out: Path, *extra: str) -> None:
+    cli_main(["cache", "--config", s["config"], "--out", str(out), "--shard_gb", SHARD_GB, *extra])
+
+
+def shard_tensors(folder: Path) -> dict[str, dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    return {p.name: load_file(p) for p in sorted(folder.glob("*.safetensors"))}
+
+
+def online_rows(s: dict, cache: FeatureCache, split: str, samples) -> list[tuple[list[int], torch.Tensor]]:
+    """The target's float32 features of the rows the cache command ran: (documents, features [tokens, K*H])."""
+    extractor = FeatureExtractor.from_pretrained(s["target"], LAYER_IDS, torch.float32)
+    rows = fc._ForwardRows(cache.manifest["splits"][split]["shards"], {split: samples}, 256)
+    out = []
+    for k in range(len(rows)):
+        row = rows[k]
+        out.append((rows.rows[k][2], extractor(row["input_ids"], row["position_ids"])))
+    return out
+
+
+def test_manifest_records_what_the_features_depend_on(setup):
+    manifest = json.loads((setup["root"] / "bf16" / "manifest.json").read_text())
+    assert manifest["complete"] and manifest["feature_format"] == "bf16" and manifest["feature_dim"] == 64
+    assert manifest["target"]["layer_ids"] == LAYER_IDS and manifest["target"]["hidden_size"] == 32
+    assert manifest["data"] == {"format": "auto", "enable_thinking": None, "max_length": 256, "block_size": 8,
+                                "on_bad_record": "error"}
+    train = manifest["splits"]["train"]
+    assert train["num_samples"] == 40 and len(train["shards"]) >= 3
+    assert [s["first"] for s in train["shards"]][0] == 0 and train["shards"][-1]["end"] == 40
+    assert [s["first"] for s in train["shards"]][1:] == [s["end"] for s in train["shards"]][:-1]
+    assert all(len(s["sha256"]) == 64 and s["bytes"] > 0 for s in train["shards"])
+    assert not list((setup["root"] / "bf16").glob("progress-*")) and not list((setup["root"] / "bf16").glob(".*"))
+
+
+def test_bf16_cache_holds_the_target_features_bitwise(setup):
+    dm = make_dm(setup)
+    dm.setup("fit")
+    cache = FeatureCache(setup["root"] / "bf16")
+    for split, samples in (("train", dm.train_samples), ("val", dm.val_samples)):
+        reader = cache.split(split)
+        for docs, feats in online_rows(setup, cache, split, samples):
+            start = 0
+            for i in docs:
+                stored = reader.document(i)
+                n = stored["features"].shape[0]
+                # exact: the cache is the target's output on the row it ran, rounded to bf16
+                assert torch.equal(stored["features"], feats[start : start + n].bfloat16())
+                assert torch.equal(stored["input_ids"], samples.document(i)[0])
+                assert torch.equal(stored["loss_mask"], samples.document(i)[1])
+                start += n
+
+
+def test_fp8_cache_within_its_rounding_bound(setup):
+    dm = make_dm(setup)
+    dm.setup("fit")
+    cache = FeatureCache(setup["root"] / "fp8")
+    reader = cache.split("train")
+    worst = 0.0
+    for docs, feats in online_rows(setup, cache, "train", dm.train_samples):
+        start = 0
+        for i in docs:
+            stored = reader.document(i)
+            n = stored["features"].shape[0]
+            x = feats[start : start + n]
+            got = dequantize(stored["features"], stored["scales"])
+            # e4m3 keeps 3 mantissa bits: error <= 2^-4 |x|, or half the subnormal step 2^-10 * scale near 0
+            bound = x.abs() * 2**-4 + stored["scales"][:, None] * 2**-10 + 1e-7
+            assert ((got - x).abs() <= bound).all()
+            worst = max(worst, float(((got - x).abs() / x.abs().amax(-1, keepdim=True)).max()))
+            start += n
+    assert worst <= 2**-4
+
+
+def test_quantize_fp8_edge_rows():
+    x = torch.tensor([[0.0, 0.0], [448.0 * 3, -1.0], [1e-30, -2e-30]])
+    values, scales = quantize_fp8(x)
+    assert values.dtype == torch.float8_e4m3fn and scales.dtype == torch.float32
+    out = dequantize(values, scales)
+    assert torch.equal(out[0], torch.zeros(2)) and out[1, 0] == 448.0 * 3 and torch.isfinite(out).all()
+
+
+class Record(Callback):
+    """Losses and the batches (without features) that the training loop used."""
+
+    def __init__(self) -> None:
+        self.losses, self.batches, self.features = [], [], []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses.append(float(outputs["loss"]))
+        self.batches.append({k: v.clone() for k, v in batch.items() if k != "context_features"})
+        self.features.append(batch["context_features"].float().clone())
+
+
+class RoundedTargetFeatures(TargetFeatures):
+    """Online features rounded to bf16, as the bf16 cache stores them."""
+
+    def add_features(self, batch) -> None:
+        super().add_features(batch)
+        batch["context_features"] = batch["context_features"].bfloat16().float()
+
+
+def fit(setup: dict, feature_cache: str | None, online: TargetFeatures | None = None) -> Record:
+    seed_everything(0)
+    record = Record()
+    module = DFlashModule(setup["target"], DrafterConfig(num_layers=2, block_size=8), token_budget=256,
+                          num_anchors=16, lr=3e-3)
+    dm = make_dm(setup, feature_cache=feature_cache)
+    trainer = Trainer(accelerator="cpu", devices=1, max_steps=5, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                      limit_val_batches=0, callbacks=[record] + ([online] if online else []))
+    trainer.fit(module, datamodule=dm)
+    return record
+
+
+def test_fit_from_cache_sees_the_same_batches_and_losses(setup):
+    online = fit(setup, None, RoundedTargetFeatures(setup["target"], dtype="float32"))
+    bf16 = fit(setup, str(setup["root"] / "bf16"))
+    fp8 = fit(setup, str(setup["root"] / "fp8"))
+    assert len(online.losses) == len(bf16.losses) == len(fp8.losses) == 5
+    for a, b, c in zip(online.batches, bf16.batches, fp8.batches, strict=True):
+        assert a.keys() == b.keys() == c.keys() and all(torch.equal(a[k], b[k]) and torch.equal(a[k], c[k]) for k in a)
+    # Online rows pack documents differently from the cache's target rows: float32 noise (~1e-7) can flip a
+    # bf16 rounding, so features agree to one bf16 step on rare elements and losses to ~1e-5, not bitwise.
+    for batch, x, y in zip(online.batches, online.features, bf16.features, strict=True):
+        n = int(batch["doc_lengths"].sum())  # online, padding gets the target's output on pad ids; cached: zero
+        assert (y[n:] == 0).all()
+        torch.testing.assert_close(y[:n], x[:n], rtol=2**-7, atol=1e-6)
+        assert (x[:n] != y[:n]).float().mean() < 1e-3
+    torch.testing.assert_close(torch.tensor(bf16.losses), torch.tensor(online.losses), rtol=1e-4, atol=0)
+    torch.testing.assert_close(torch.tensor(fp8.losses), torch.tensor(online.losses), rtol=2e-2, atol=0)
+
+
+def test_interrupted_cache_run_resumes(setup, tmp_path, monkeypatch):
+    out = tmp_path / "cache"
+    real, calls = fc.write_shard, []
+
+    def failing(path, tensors, metadata):
+        if len(calls) == 2:
+            # a crash after the shard's temporary file was written, before its rename
+            (path.parent / f".{path.name}.123.tmp").write_bytes(b"partial")
+            raise KeyboardInterrupt
+        calls.append(path.name)
+        return real(path, tensors, metadata)
+
+    monkeypatch.setattr(fc, "write_shard", failing)
+    with pytest.raises((KeyboardInterrupt, SystemExit)):
+        cache_cli(setup, out)
+    with pytest.raises(FeatureCacheError, match=r"incomplete \(0 of 7 shards\)"):
+        FeatureCache(out)  # the manifest is updated from the progress file on the next run
+    kept = {name: (out / name).stat().st_mtime_ns for name in calls}
+    monkeypatch.setattr(fc, "write_shard", real)
+    written = []
+    monkeypatch.setattr(fc, "write_shard", lambda p, t, m: written.append(p.name) or real(p, t, m))
+    cache_cli(setup, out)
+    assert sorted(written + calls) == sorted(p.name for p in (setup["root"] / "bf16").glob("*.safetensors"))
+    assert {name: (out / name).stat().st_mtime_ns for name in calls} == kept  # finished shards are not redone
+    assert not list(out.glob(".*.tmp")) and not list(out.glob("progress-*"))
+    ref, got = shard_tensors(setup["root"] / "bf16"), shard_tensors(out)
+    assert ref.keys() == got.keys()
+    assert all(torch.equal(ref[n][k], got[n][k]) for n in ref for k in ref[n])
+    assert FeatureCache(out).manifest["complete"]
+    written.clear()
+    cache_cli(setup, out)  # nothing left to do
+    assert written == []
+
+
+def test_mismatched_cache_is_refused_naming_the_field(setup, tmp_path):
+    bf16 = str(setup["root"] / "bf16")
+    with pytest.raises(FeatureCacheError, match=r"data\.max_length is 256 in the cache and 200 here"):
+        make_dm(setup, feature_cache=bf16, max_length=200).setup("fit")
+    with pytest.raises(FeatureCacheError, match=r"data\.enable_thinking"):
+        make_dm(setup, feature_cache=bf16, enable_thinking=False).setup("fit")
+    changed = write_conversations(tmp_path / "train.jsonl", 40, seed=5)
+    with pytest.raises(FeatureCacheError, match=r"splits\.train\.files_sha256 .* made from \['.*train\.jsonl'\]"):
+        make_dm(setup, feature_cache=bf16, train_files=[str(changed)]).setup("fit")
+    other = make_target(tmp_path / "other", layers=6, hidden=32, heads=2, kv_heads=1, seed=1)
+    shutil.copy(Path(setup["target"]) / "tokenizer.json", other / "tokenizer.json")
+    # the drafter in the trainer decides the target and layer ids the features must come from
+    for target, drafter, field in ((setup["target"], DrafterConfig(num_layers=2, block_size=8, target_layer_ids=[0, 2]),
+                                    r"target\.layer_ids is \[1, 3\] in the cache and \[0, 2\] here"),
+                                   (str(other), DrafterConfig(num_layers=2, block_size=8), r"target\.weights_sha256")):
+        module = DFlashModule(target, drafter, token_budget=256, num_anchors=16)
+        trainer = Trainer(accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False)
+        with pytest.raises(FeatureCacheError, match=field):
+            trainer.fit(module, datamodule=make_dm(setup, feature_cache=bf16))
+    with pytest.raises(FeatureCacheError, match=r"feature_format is 'bf16' in the cache and 'fp8' here"):
+        cache_cli(setup, Path(bf16), "--format", "fp8")
+    with pytest.raises(FeatureCacheError, match="no manifest.json"):
+        make_dm(setup, feature_cache=str(tmp_path)).setup("fit")
+
+
+def test_damaged_shards_are_named(setup, tmp_path):
+    folder = tmp_path / "damaged"
+    shutil.copytree(setup["root"] / "bf16", folder)
+    shard = folder / "train-00001.safetensors"
+    data = shard.read_bytes()
+    shard.write_bytes(data[:-100])
+    with pytest.raises(FeatureCacheError, match=r"train-00001\.safetensors has \d+ bytes, the manifest records"):
+        make_dm(setup, feature_cache=str(folder)).setup("fit")
+    shard.write_bytes(b"\xff" * 8 + data[8:])  # same size, header length garbage
+    with pytest.raises(FeatureCacheError, match=r"train-00001\.safetensors is corrupt: unreadable safetensors"):
+        make_dm(setup, feature_cache=str(folder)).setup("fit")
+    shard.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # one flipped bit in the data: only a checksum sees it
+    make_dm(setup, feature_cache=str(folder)).setup("fit")
+    with pytest.raises(FeatureCacheError, match=r"train-00001\.safetensors is corrupt: its sha256 differs"):
+        cache_cli(setup, folder, "--verify", "true")
+    shard.write_bytes(data)
+    cache_cli(setup, folder, "--verify", "true")
+
+
+def test_fp8_batches_are_dequantised_after_transfer(setup):
+    dm = make_dm(setup, feature_cache=str(setup["root"] / "fp8"))
+    dm.setup("fit")
+    ref = make_dm(setup, feature_cache=str(setup["root"] / "bf16"))
+    ref.setup("fit")
+    for raw, want in zip(dm.train_dataloader(), ref.train_dataloader(), strict=True):
+        assert raw["context_features_fp8"].dtype == torch.float8_e4m3fn and raw["context_scales"].shape == (256,)
+        batch = dm.on_after_batch_transfer(raw, 0)
+        assert "context_features_fp8" not in batch and batch["context_features"].shape == (256, 64)
+        n = int(batch["doc_lengths"].sum())
+        assert (batch["context_features"][n:] == 0).all() and (want["context_features"][n:] == 0).all()
+        torch.testing.assert_close(batch["context_features"], want["context_features"].float(), rtol=0.07, atol=1e-2)
+
+
+def test_few_mapped_shards_serve_the_same_batches(setup, monkeypatch):
+    bf16 = str(setup["root"] / "bf16")
+    dm = make_dm(setup, feature_cache=bf16)
+    dm.setup("fit")
+    want = list(dm.train_dataloader())
+    monkeypatch.setattr(fc, "MAX_OPEN_SHARDS", 1)  # every shard switch unmaps the last one
+    dm = make_dm(setup, feature_cache=bf16)
+    dm.setup("fit")
+    got = list(dm.train_dataloader())
+    assert len(dm._features["train"]._open) == 1
+    assert all(torch.equal(a[k], b[k]) for a, b in zip(want, got, strict=True) for k in a)
