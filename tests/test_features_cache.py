@@ -27,8 +27,17 @@ LAYER_IDS = [1, 3]  # the default for a 2-layer drafter on a 6-layer target
 SHARD_GB = "0.00008"  # ~80 KB: the 40 training samples spread over several shards
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One thread: these models are tiny, and a shared CPU makes extra threads wait on each other."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory) -> dict:
+def setup(tmp_path_factory, one_thread) -> dict:
     """A tiny target, data, a fit config and a bf16 and an fp8 cache of them made through the CLI."""
     root = tmp_path_factory.mktemp("fc")
     target = make_target(root / "target", layers=6, hidden=32, heads=2, kv_heads=1)
@@ -186,6 +195,16 @@ def test_fit_from_cache_sees_the_same_batches_and_losses(setup):
     torch.testing.assert_close(torch.tensor(fp8.losses), torch.tensor(online.losses), rtol=2e-2, atol=0)
 
 
+def test_fit_from_cache_through_the_cli(setup, tmp_path, caplog):
+    bf16 = str(setup["root"] / "bf16")
+    cli = cli_main(["fit", "--config", setup["config"], f"--data.feature_cache={bf16}", "--trainer.max_steps=2",
+                    "--trainer.limit_val_batches=1", "--trainer.val_check_interval=2",
+                    f"--trainer.default_root_dir={tmp_path}"])
+    assert cli.trainer.global_step == 2 and "val/loss" in cli.trainer.callback_metrics
+    assert cli.datamodule._features.keys() == {"train", "val"}
+    assert "the features come from the cache" in caplog.text  # the CLI's target section is still instantiated
+
+
 def test_interrupted_cache_run_resumes(setup, tmp_path, monkeypatch):
     out = tmp_path / "cache"
     real, calls = fc.write_shard, []
@@ -288,4 +307,8 @@ def test_few_mapped_shards_serve_the_same_batches(setup, monkeypatch):
     dm.setup("fit")
     got = list(dm.train_dataloader())
     assert len(dm._features["train"]._open) == 1
+    assert all(torch.equal(a[k], b[k]) for a, b in zip(want, got, strict=True) for k in a)
+    dm = make_dm(setup, feature_cache=bf16, num_workers=2)  # workers map the shards themselves
+    dm.setup("fit")
+    got = list(dm.train_dataloader())
     assert all(torch.equal(a[k], b[k]) for a, b in zip(want, got, strict=True) for k in a)

@@ -280,8 +280,9 @@ class DFlashDataModule(LightningDataModule):
         _rank_zero(logging.INFO, f"context features of {', '.join(splits)} from {cache.folder} "
                    f"({cache.feature_format}, {cache.manifest['feature_dim']} per token)")
         if self.trainer is not None and any(isinstance(c, TargetFeatures) for c in self.trainer.callbacks):
-            _rank_zero(logging.WARNING, "data.feature_cache is set but a TargetFeatures callback is present: it "
-                       "recomputes every batch's features with the target and the cache goes unused")
+            # it leaves batches that carry features alone, but still loads the target (memory, start-up time)
+            _rank_zero(logging.WARNING, "data.feature_cache is set and a TargetFeatures callback is present: the "
+                       "features come from the cache; the callback's target is loaded but not used")
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """fp8 cached features are dequantised here, on the device: half the bytes cross the host link."""
