@@ -478,8 +478,10 @@ class ShardWriter(Callback):
         assert tensors["features"].shape[0] == b - a, "forward rows do not add up to the shard's tokens"
         tensors |= {"input_ids": samples.input_ids[a:b].to(torch.int32), "loss_mask": samples.loss_mask[a:b],
                     "starts": samples.starts[shard["first"] : shard["end"] + 1] - a}
-        metadata = {"split": batch["split"], "first": str(shard["first"]), "end": str(shard["end"]),
-                    "feature_format": self.manifest["feature_format"]}
+        # one metadata key: safetensors writes several in random order, and equal shards should be equal files
+        info = {"split": batch["split"], "first": shard["first"], "end": shard["end"],
+                "format": self.manifest["feature_format"]}
+        metadata = {"dflash_feature_cache": json.dumps(info)}
         self.written[shard["file"]] = write_shard(self.folder / shard["file"], tensors, metadata)
         write_json(self.folder / f"progress-rank{trainer.global_rank}.json", self.written)
         self.parts = []

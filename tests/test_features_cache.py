@@ -312,3 +312,16 @@ def test_few_mapped_shards_serve_the_same_batches(setup, monkeypatch):
     dm.setup("fit")
     got = list(dm.train_dataloader())
     assert all(torch.equal(a[k], b[k]) for a, b in zip(want, got, strict=True) for k in a)
+
+
+def test_two_ranks_write_the_same_cache(setup, tmp_path):
+    """Lightning's DDP on the CPU (gloo): rank 0 plans, each rank writes its shards, rank 0 merges the manifest."""
+    dm = make_dm(setup)
+    manifest = fc.write_cache(dm, setup["target"], LAYER_IDS, 32, tmp_path / "ddp", "bf16", "float32",
+                              shard_bytes=int(float(SHARD_GB) * 1e9),
+                              trainer_kwargs={"accelerator": "cpu", "devices": 2, "strategy": "ddp_fork"})
+    assert manifest["complete"]
+    ref, got = shard_tensors(setup["root"] / "bf16"), shard_tensors(tmp_path / "ddp")
+    assert ref.keys() == got.keys() and all(torch.equal(ref[n][k], got[n][k]) for n in ref for k in ref[n])
+    assert [s["sha256"] for s in manifest["splits"]["train"]["shards"]] == [
+        s["sha256"] for s in FeatureCache(setup["root"] / "bf16").manifest["splits"]["train"]["shards"]]

@@ -26,8 +26,17 @@ def assistant(text: str) -> dict:
     return {"role": "assistant", "content": text}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One thread: the target is tiny, and a shared CPU makes extra threads wait on each other."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory) -> dict:
+def setup(tmp_path_factory, one_thread) -> dict:
     """A tiny target and 9 source lines: one-turn, two-turn, ShareGPT, prompt-only records, and one bad line."""
     root = tmp_path_factory.mktemp("rg")
     target = make_target(root / "target", layers=2, hidden=32, heads=2, kv_heads=1, initializer_range=0.2)
