@@ -268,6 +268,8 @@ class TargetFeatures(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if self.extractor is not None or self.extractors:
             return
+        if getattr(trainer.datamodule, "hparams", {}).get("feature_cache"):
+            return  # the data module serves cached context features; no target is needed
         layer_ids = pl_module.drafter_config.target_layer_ids
 
         def load(device: torch.device | str) -> FeatureExtractor:

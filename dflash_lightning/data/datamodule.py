@@ -263,8 +263,6 @@ class DFlashDataModule(LightningDataModule):
     def _open_feature_cache(self, splits: list[str]) -> None:
         """Checks the cache against this data (and the trainer's drafter, if any) and opens its splits."""
         from dflash_lightning.features_cache import FeatureCache, data_header, target_header
-        from dflash_lightning.target import TargetFeatures
-
         if not splits:
             return
         cache = FeatureCache(self.hparams.feature_cache)
@@ -279,10 +277,6 @@ class DFlashDataModule(LightningDataModule):
             self._features[split] = cache.split(split)
         _rank_zero(logging.INFO, f"context features of {', '.join(splits)} from {cache.folder} "
                    f"({cache.feature_format}, {cache.manifest['feature_dim']} per token)")
-        if self.trainer is not None and any(isinstance(c, TargetFeatures) for c in self.trainer.callbacks):
-            # it leaves batches that carry features alone, but still loads the target (memory, start-up time)
-            _rank_zero(logging.WARNING, "data.feature_cache is set and a TargetFeatures callback is present: the "
-                       "features come from the cache; the callback's target is loaded but not used")
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """fp8 cached features are dequantised here, on the device: half the bytes cross the host link."""
