@@ -53,6 +53,15 @@ def make_target(folder: Path, layers: int = 6, hidden: int = 64, heads: int = 4,
     return folder
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_thread():
+    """One thread: the models here are tiny, and on a shared 2-core machine extra threads wait on each other."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def tiny_target(tmp_path_factory) -> Path:
     """Path of a session-wide tiny random Qwen3 target."""

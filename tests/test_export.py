@@ -18,14 +18,6 @@ from dflash_lightning.speculative import target_generate
 from dflash_lightning.target import load_target_io
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def make_checkpoint(target: Path, path: Path, block_size: int = 8) -> Path:
     """A real Lightning checkpoint of a DFlashModule after one training step on the tiny target."""
     from lightning.pytorch import Trainer

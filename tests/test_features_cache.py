@@ -27,14 +27,6 @@ LAYER_IDS = [1, 3]  # the default for a 2-layer drafter on a 6-layer target
 SHARD_GB = "0.00008"  # ~80 KB: the 40 training samples spread over several shards
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One thread: these models are tiny, and a shared CPU makes extra threads wait on each other."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory, one_thread) -> dict:

@@ -26,14 +26,6 @@ def assistant(text: str) -> dict:
     return {"role": "assistant", "content": text}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One thread: the target is tiny, and a shared CPU makes extra threads wait on each other."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory, one_thread) -> dict:

@@ -15,14 +15,6 @@ from dflash_lightning.target import load_target_io
 EOS = 2  # <|im_end|> of the test tokenizer
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: one thread avoids oversubscribing the CPU (tens of times faster per op)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 @pytest.fixture(scope="module")
 def target(tiny_target):
