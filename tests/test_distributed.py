@@ -52,3 +52,25 @@ def test_two_rank_gradient_equals_single_process_global_batch():
     mp.start_processes(_rank, args=(2, 29533, out), nprocs=2, join=True, start_method="fork")
     torch.testing.assert_close(out[0], expected)
     torch.testing.assert_close(out[1], expected)
+
+
+def test_two_process_ddp_fit_through_the_cli(tmp_path):
+    """`--trainer.strategy=ddp --trainer.devices=2` on the CPU (gloo) runs the tiny config to the end."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+    cmd = [sys.executable, "-m", "dflash_lightning", "fit", "--config", "configs/tiny.yaml",
+           "--trainer.strategy=ddp", "--trainer.devices=2", "--trainer.max_steps=3", "--model.metrics_every=1",
+           "--trainer.log_every_n_steps=1",
+           f"--trainer.default_root_dir={tmp_path}", "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
+           f"--trainer.logger.save_dir={tmp_path}", "--trainer.callbacks=[]", "--spec_eval.every_n_steps=0"]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    metrics = next(tmp_path.rglob("metrics.csv")).read_text().splitlines()
+    header = metrics[0].split(",")
+    losses = [float(row.split(",")[header.index("train/loss")]) for row in metrics[1:]
+              if row.split(",")[header.index("train/loss")]]
+    assert len(losses) == 3 and all(0 < loss < 20 for loss in losses)
