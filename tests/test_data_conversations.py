@@ -291,8 +291,25 @@ def test_tokenizer_without_chat_template(tmp_path):
         tokenize(tok, [path])
 
 
-def test_template_not_prefix_consistent(tmp_path):
-    tok = load(make_tokenizer(tmp_path / "odd_tok", template=INCONSISTENT))
-    path = write_jsonl(tmp_path / "a.jsonl", [{"messages": chat(0)}])
-    with pytest.raises(DataError, match=r"a\.jsonl:1: chat template is not prefix-consistent"):
-        tokenize(tok, [path])
+# Like Qwen3: the empty think block is rendered only in assistant turns after the last user message.
+QWEN3_LIKE = (
+    "{% set ns = namespace(last_user=0) %}{% for m in messages %}{% if m['role'] == 'user' %}"
+    "{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['role'] == 'assistant' and loop.index0 > ns.last_user %}<think>\n\n</think>\n\n{% endif %}"
+    "{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n\n</think>\n\n{% endif %}"
+)
+
+
+@pytest.mark.parametrize("template", [INCONSISTENT, QWEN3_LIKE])
+def test_templates_that_rewrite_earlier_turns(tmp_path, template):
+    """Multi-turn data with templates that are not prefix-consistent: each turn is located in the whole text."""
+    tok = load(make_tokenizer(tmp_path / "odd_tok", template=template))
+    conv = chat(0, turns=3)
+    samples = tokenize(tok, [write_jsonl(tmp_path / "a.jsonl", [{"messages": conv}])])
+    ids, mask = documents(samples)[0]
+    text = tok.apply_chat_template(conv, tokenize=False)
+    assert ids == tok(text, add_special_tokens=False)["input_ids"]
+    supervised = tok.decode([t for t, m in zip(ids, mask, strict=True) if m])
+    assert supervised == "".join(m["content"] + "<|im_end|>" for m in conv if m["role"] == "assistant")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import glob
 import json
 import logging
+import os
 from array import array
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -243,15 +244,10 @@ def tokenize_conversation(
             continue
         before = render(messages[:i], True)
         through = text if i == len(messages) - 1 else render(messages[: i + 1], False)
-        if not (through.startswith(before) and text.startswith(through)):
-            raise DataError(
-                location,
-                "chat template is not prefix-consistent",
-                f"turn {i}: rendering the conversation up to this turn is not a prefix of the whole; "
-                "templates that rewrite earlier turns (e.g. Qwen3 dropping old <think> blocks) need "
-                "one assistant turn per record",
-            )
-        spans.append((len(before), max(len(before), len(through.rstrip()))))
+        if through.startswith(before) and text.startswith(through):
+            spans.append((len(before), max(len(before), len(through.rstrip()))))
+        else:  # the template rewrites earlier turns (Qwen3 drops their <think> blocks): find the turn itself
+            spans.append(_locate_turn(render, messages, i, text, through, location))
     encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = list(encoding["input_ids"][:max_length])
     offsets = torch.tensor(encoding["offset_mapping"][:max_length], dtype=torch.int64).reshape(-1, 2)
@@ -259,6 +255,25 @@ def tokenize_conversation(
     for start, end in spans:
         mask |= (offsets[:, 0] >= start) & (offsets[:, 1] <= end)
     return ids, mask
+
+
+def _locate_turn(render, messages: list[Message], i: int, text: str, through: str, location: str) -> tuple[int, int]:
+    """Span of assistant turn `i` in the whole rendered `text`, for templates that are not prefix-consistent.
+
+    Rendering the conversation again with a stand-in content for that turn changes exactly the characters of
+    its content; the template's end-of-turn marker (what follows the content when the turn is last) is added.
+    """
+    content = messages[i]["content"]
+    probe = render([*messages[:i], {**messages[i], "content": "\x00"}, *messages[i + 1 :]], False)
+    start = len(os.path.commonprefix([text, probe]))
+    suffix = len(os.path.commonprefix([text[start:][::-1], probe[start:][::-1]]))
+    end = len(text) - suffix
+    tail = through.rfind(content)
+    marker = through[tail + len(content) :].rstrip() if tail >= 0 else ""
+    if end <= start or text[start:end] != content or not text.startswith(marker, end):
+        raise DataError(location, "chat template is not prefix-consistent",
+                        f"turn {i}: its content cannot be located in the rendered conversation")
+    return start, end + len(marker)
 
 
 @dataclass
