@@ -138,7 +138,7 @@ class DFlashModule(LightningModule):
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         out = self.step(batch, max(self.hparams.topk))
         self.val_metrics.update(out.topk, out.labels, out.weights)
-        self.log("val/loss", out.loss, prog_bar=True, batch_size=1)
+        self.log("val/loss", out.loss, prog_bar=True, batch_size=1, sync_dist=True)  # epoch mean over ranks
 
     def on_validation_epoch_end(self) -> None:
         self._log_metrics("val", self.val_metrics.compute())
