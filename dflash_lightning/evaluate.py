@@ -180,9 +180,15 @@ def read_prompts(path: str | Path, num_prompts: int | None = None) -> list[dict[
     """Rows of a prompts JSONL file (`{"messages": [...]}` or `{"prompt": str}`, optional `category`)."""
     rows = []
     with open(path) as f:
-        for line in f:
+        for number, line in enumerate(f, 1):
             if line.strip():
-                rows.append(json.loads(line))
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"{path}:{number}: not a JSON line ({err.msg})") from err
+                if not isinstance(row, dict) or not ({"messages", "prompt"} & set(row)):
+                    raise ValueError(f"{path}:{number}: a prompt row needs 'messages' or 'prompt'")
+                rows.append(row)
             if num_prompts is not None and len(rows) >= num_prompts:
                 break
     if not rows:

@@ -98,3 +98,15 @@ def test_summary_arithmetic():
     assert r["slot_acceptance"] == [3 / 4, 2 / 4, 2 / 4]  # P(accepted >= k), k = 1..3
     assert r["speedup"] == 2.0 and r["mismatches"] == 1
     assert r["per_category"]["a"]["tau"] == 7 / 3 and r["per_category"]["b"]["tau"] == 4
+
+
+def test_bad_prompts_file_names_file_and_line(tmp_path):
+    from dflash_lightning.evaluate import read_prompts
+
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "a"}\n{"prompt": \n')
+    with pytest.raises(ValueError, match=r"p\.jsonl:2: not a JSON line"):
+        read_prompts(path)
+    path.write_text('{"prompt": "a"}\n\n{"text": "b"}\n')
+    with pytest.raises(ValueError, match=r"p\.jsonl:3: a prompt row needs"):
+        read_prompts(path)
