@@ -75,7 +75,6 @@ class SpeculativeValidation(Callback):
         with torch.no_grad(), torch.autocast(pl_module.device.type, enabled=False):
             report = evaluate(drafter, self.model, self.tokenizer, self.prompts, self.max_new_tokens,
                               enable_thinking=self.enable_thinking, progress=False, warmup=False)
-        drafter.train()
         if log and report["tau"] is not None:
             pl_module.log("val/tau_served", float(report["tau"]), rank_zero_only=True, prog_bar=True)
             pl_module.log("val/speculative_mismatches", float(report["mismatches"]), rank_zero_only=True)
