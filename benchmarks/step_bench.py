@@ -17,8 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
+import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -35,6 +38,7 @@ QWEN3_8B = dict(
     max_position_embeddings=40960, tie_word_embeddings=False,
 )
 MASK_ID = 151669
+PROFILED = [torch.profiler.ProfilerActivity.CUDA]  # kernels only: CPU ops would count their kernels twice
 
 
 def matmul_peak(n: int = 8192, iters: int = 20) -> float:
@@ -119,11 +123,16 @@ class RandomFeatures(Callback):
 
 
 class StepTimer(Callback):
-    """Wall time of the first step (compile) and of the steps after warm-up, synchronised at the ends only."""
+    """Times the warm-up and the steady steps (synchronised at their ends only) and counts host syncs.
 
-    def __init__(self, warmup: int, measured: int) -> None:
-        self.warmup, self.measured = warmup, measured
-        self.first = self.steady = None
+    Over the steady steps CUDA's sync debug mode turns every synchronising call (`.item()`, a
+    device-to-host copy, ...) into a warning, charged to the step whose hooks were running.
+    """
+
+    def __init__(self, warmup: int, measured: int, profile_steps: int = 0) -> None:
+        self.warmup, self.measured, self.profile_steps = warmup, measured, profile_steps
+        self.first = self.steady = self.profile = None
+        self.bounds: list[int] = []  # index into the warning records where each steady step began
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if batch_idx == 0:
@@ -131,20 +140,81 @@ class StepTimer(Callback):
             self.t0 = time.perf_counter()
         if batch_idx == self.warmup:
             torch.cuda.synchronize()
+            self.warmup_s = time.perf_counter() - self.t0
             self.frames = _compiled_frames()
             torch.cuda.reset_peak_memory_stats()
+            self.catcher = warnings.catch_warnings(record=True)
+            self.records = self.catcher.__enter__()
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
             self.t1 = time.perf_counter()
+        if self.warmup <= batch_idx < self.warmup + self.measured:
+            self.bounds.append(len(self.records))
+        if batch_idx == self.warmup + self.measured and self.profile_steps:
+            self.profiler = torch.profiler.profile(activities=PROFILED)
+            self.profiler.__enter__()
+            self.t2 = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if batch_idx == 0:
             torch.cuda.synchronize()
             self.first = time.perf_counter() - self.t0
         if batch_idx == self.warmup + self.measured - 1:
+            torch.cuda.set_sync_debug_mode(0)  # before our own synchronize, which it would count
+            self.catcher.__exit__(None, None, None)
             torch.cuda.synchronize()
             self.steady = (time.perf_counter() - self.t1) / self.measured
             self.recompiles = _compiled_frames() - self.frames
             self.peak_gb = torch.cuda.max_memory_allocated() / 1e9
+            trainer.should_stop = not self.profile_steps
+        if self.profile_steps and batch_idx == self.warmup + self.measured + self.profile_steps - 1:
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - self.t2
+            self.profiler.__exit__(None, None, None)
+            self.profile = kernel_profile(self.profiler, wall, self.profile_steps)
             trainer.should_stop = True
+
+    def host_syncs(self, metrics_every: int) -> dict:
+        """Synchronising calls over the steady steps, on metric steps and on the others, with call sites."""
+        ends = [*self.bounds[1:], len(self.records)]
+        out = {"metric_steps": 0, "other_steps": 0, "sites": {}}
+        for i, (begin, end) in enumerate(zip(self.bounds, ends, strict=True)):
+            kind = "metric_steps" if (self.warmup + i) % metrics_every == 0 else "other_steps"
+            for record in self.records[begin:end]:
+                if "synchroniz" not in str(record.message):
+                    continue
+                out[kind] += 1
+                site = f"{kind}: {Path(record.filename).name}:{record.lineno}"
+                out["sites"][site] = out["sites"].get(site, 0) + 1
+        return out
+
+
+def kernel_profile(profiler: torch.profiler.profile, wall_s: float, steps: int) -> dict:
+    """GPU time per step by kernel family, GPU busy fraction, and the heaviest kernels."""
+    families = {"matmul": ("gemm", "nvjet", "cutlass", "sm90", "sm100", "xmma", "cublas"),
+                "flex_attention": ("flex", "tem_fused"), "triton_fused": ("triton_",), "copy": ("memcpy", "memset")}
+    per_family: dict[str, float] = {}
+    kernels = []
+    for event in profiler.key_averages():
+        us = getattr(event, "self_device_time_total", 0) or getattr(event, "self_cuda_time_total", 0)
+        if us <= 0:
+            continue
+        name = event.key.lower()
+        family = next((f for f, keys in families.items() if any(k in name for k in keys)), "other")
+        per_family[family] = per_family.get(family, 0.0) + us / 1e3 / steps
+        kernels.append((us / 1e3 / steps, event.key[:90]))
+    busy = sum(per_family.values()) / 1e3 / (wall_s / steps)
+    top = [{"ms_per_step": round(ms, 2), "kernel": k} for ms, k in sorted(kernels, reverse=True)[:15]]
+    return {"gpu_ms_per_step": {k: round(v, 1) for k, v in sorted(per_family.items())},
+            "wall_ms_per_step": round(wall_s / steps * 1e3, 1), "gpu_busy_fraction": round(busy, 3), "top_kernels": top}
+
+
+def compile_breakdown(top: int = 12) -> dict[str, float]:
+    """Seconds spent in the heaviest compiler phases so far (torch._dynamo's own timers, summed)."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    sums = {k: sum(v) for k, v in compilation_time_metrics.items()}
+    return {k: round(v, 1) for k, v in sorted(sums.items(), key=lambda kv: -kv[1])[:top]}
 
 
 def _compiled_frames() -> int:
@@ -173,29 +243,43 @@ def step_flops(module: DFlashModule, batch: dict[str, torch.Tensor]) -> float:
 
 
 def run_fit(target: Path, compile: bool, mode: str | None, warmup: int, measured: int, features: Callback,
-            token_budget: int = 8192, anchors: int = 512) -> dict:
-    """One Trainer.fit of warmup + measured steps; returns timings, memory, recompiles."""
+            logs: Path, token_budget: int = 8192, anchors: int = 512, profile_steps: int = 0) -> dict:
+    """One Trainer.fit (progress bar and CSV logger on, as users run it); timings, memory, recompiles, syncs."""
+    from lightning.pytorch.loggers import CSVLogger
+
     torch._dynamo.reset()
     module = DFlashModule(
         str(target), DrafterConfig(num_layers=5, block_size=16, mask_token_id=MASK_ID),
         token_budget=token_budget, num_anchors=anchors, compile=compile, compile_mode=mode, metrics_every=8,
     )
-    timer = StepTimer(warmup, measured)
-    data = RandomData(token_budget, steps=warmup + measured + 1)
+    timer = StepTimer(warmup, measured, profile_steps)
+    data = RandomData(token_budget, steps=warmup + measured + profile_steps + 1)
     trainer = Trainer(
-        accelerator="gpu", devices=1, precision="bf16-true", max_steps=warmup + measured, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, gradient_clip_val=1.0, enable_model_summary=False,
+        accelerator="gpu", devices=1, precision="bf16-true", max_steps=warmup + measured + profile_steps,
+        logger=CSVLogger(logs), enable_checkpointing=False, gradient_clip_val=1.0, enable_model_summary=False,
         callbacks=[features, timer], log_every_n_steps=8,
     )
     trainer.fit(module, datamodule=data)
     flops = step_flops(module, data.batches[0])
     N = anchors * module.drafter_config.block_size
     return {
-        "compile": compile, "mode": mode, "first_step_s": timer.first, "step_s": timer.steady,
-        "compile_s": timer.first - timer.steady, "draft_tokens_per_s": N / timer.steady,
-        "context_tokens_per_s": token_budget / timer.steady, "tflop_per_step": flops / 1e12,
-        "tflops": flops / timer.steady / 1e12, "peak_gb": timer.peak_gb, "recompiles_after_warmup": timer.recompiles,
+        "compile": compile, "mode": mode, "first_step_s": timer.first, "warmup_steps": warmup,
+        "warmup_s": timer.warmup_s, "compile_s": timer.warmup_s - warmup * timer.steady, "step_s": timer.steady,
+        "draft_tokens_per_s": N / timer.steady, "context_tokens_per_s": token_budget / timer.steady,
+        "tflop_per_step": flops / 1e12, "tflops": flops / timer.steady / 1e12, "peak_gb": timer.peak_gb,
+        "recompiles_after_warmup": timer.recompiles, "host_syncs": timer.host_syncs(8),
+        **({"profile": timer.profile} if timer.profile else {}),
     }
+
+
+def warm_cache_probe(target: Path, mode: str, warmup: int) -> dict:
+    """The same compiled fit in a fresh process that finds the compiler caches the first run filled."""
+    cmd = [sys.executable, __file__, "--probe-target", str(target), "--modes", mode, "--warmup", str(warmup)]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode or not lines:
+        return {"error": (done.stderr or done.stdout)[-2000:]}
+    return json.loads(lines[-1])
 
 
 def target_rate(extractor: FeatureExtractor, token_budget: int, iters: int = 10) -> float:
@@ -218,32 +302,53 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=16)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--pipeline-steps", type=int, default=200, help="measured steps of the co-located pipeline")
-    parser.add_argument("--skip", default="", help="comma list of parts to skip: eager,pipeline")
+    parser.add_argument("--skip", default="", help="comma list of parts to skip: eager,pipeline,warm")
+    parser.add_argument("--probe-target", type=Path, default=None, help=argparse.SUPPRESS)  # warm-cache child
     args = parser.parse_args()
     torch.set_float32_matmul_precision("high")
     skip = set(args.skip.split(","))
-    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "date": time.strftime("%Y-%m-%d"), "shape": {"token_budget": 8192, "anchors": 512, "block": 16,
-                                                          "layers": 5, **QWEN3_8B}}
+    if args.probe_target:
+        with tempfile.TemporaryDirectory() as logs:
+            mode = None if args.modes == "default" else args.modes
+            run = run_fit(args.probe_target, True, mode, args.warmup, 10, RandomFeatures(), Path(logs))
+        print(json.dumps({k: run[k] for k in ("first_step_s", "warmup_s", "compile_s", "step_s")}))
+        return
+    # A fresh compiler cache unless one is given: the first compiled mode is measured cold.
+    cache = os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="inductor-"))
+    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+              "inductor_cache": cache, "cpu_count": os.cpu_count(),
+              "shape": {"token_budget": 8192, "anchors": 512, "block": 16, "layers": 5, **QWEN3_8B}}
     peak = matmul_peak()
     result["bf16_matmul_peak_tflops"] = peak / 1e12
+    out = Path(os.environ["OUT"], "bench.json") if os.environ.get("OUT") else None
+
+    def report(key: str, value) -> None:
+        result[key] = value
+        print(json.dumps({key: value}), flush=True)
+        if out:  # partial results survive a time limit
+            out.write_text(json.dumps(result, indent=2) + "\n")
+
     with tempfile.TemporaryDirectory() as tmp:
-        target = write_target(Path(tmp))
+        target = write_target(Path(tmp) / "target")
+        logs = Path(tmp) / "logs"
         runs = {}
-        for mode in args.modes.split(","):
+        for i, mode in enumerate(args.modes.split(",")):
             name = f"compiled[{mode}]"
             try:
                 runs[name] = run_fit(target, True, None if mode == "default" else mode, args.warmup, args.steps,
-                                     RandomFeatures())
+                                     RandomFeatures(), logs, profile_steps=3 if i == 0 else 0)
                 runs[name]["mfu"] = runs[name]["tflops"] * 1e12 / peak
             except Exception as err:  # a mode that fails is reported, not fatal
                 runs[name] = {"error": f"{type(err).__name__}: {err}"[:2000]}
-            print(json.dumps({name: runs[name]}), flush=True)
+            if i == 0:
+                runs[name]["compile_breakdown_s"] = compile_breakdown()
+                if "warm" not in skip:
+                    runs[name]["warm_cache"] = warm_cache_probe(target, mode, args.warmup)
+            report("drafter_step", runs)
         if "eager" not in skip:
-            runs["eager"] = run_fit(target, False, None, 3, 10, RandomFeatures())
+            runs["eager"] = run_fit(target, False, None, 3, 10, RandomFeatures(), logs)
             runs["eager"]["mfu"] = runs["eager"]["tflops"] * 1e12 / peak
-            print(json.dumps({"eager": runs["eager"]}), flush=True)
-        result["drafter_step"] = runs
+            report("drafter_step", runs)
         best = min((r for r in runs.values() if "step_s" in r and r["compile"]), key=lambda r: r["step_s"])
         if "pipeline" not in skip:
             from transformers import AutoModel, Qwen3Config
@@ -256,23 +361,21 @@ def main() -> None:
             t_rate = target_rate(extractor, 8192)
             callback = TargetFeatures(str(target))
             callback.extractor = extractor
-            pipe = run_fit(target, True, best["mode"], args.warmup, args.pipeline_steps, callback)
+            pipe = run_fit(target, True, best["mode"], args.warmup, args.pipeline_steps, callback, logs)
             d_rate = best["context_tokens_per_s"]
             bound = 1 / (1 / t_rate + 1 / d_rate)
-            result["colocated_pipeline"] = {
+            report("colocated_pipeline", {
                 "target_tokens_per_s": t_rate, "drafter_tokens_per_s": d_rate, "bound_tokens_per_s": bound,
                 "pipeline_tokens_per_s": pipe["context_tokens_per_s"],
                 "fraction_of_bound": pipe["context_tokens_per_s"] / bound, "peak_gb": pipe["peak_gb"],
-                "recompiles_after_warmup": pipe["recompiles_after_warmup"], "steps": args.warmup + args.pipeline_steps,
-                "mode": best["mode"],
-            }
+                "recompiles_after_warmup": pipe["recompiles_after_warmup"], "host_syncs": pipe["host_syncs"],
+                "steps": args.warmup + args.pipeline_steps, "mode": best["mode"],
+            })
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text + "\n")
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "bench.json").write_text(text + "\n")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@ place; every training step copies the batch into those buffers, so shapes and ad
 from __future__ import annotations
 
 import math
+import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -61,6 +63,7 @@ class DFlashModule(LightningModule):
         min_lr_ratio: float = 0.0,
         compile: bool = False,
         compile_mode: str | None = None,
+        compile_cache_dir: str | None = None,
         metrics_every: int = 8,
         topk: tuple[int, ...] = (1, 5, 10),
         head_chunk_size: int = 4096,
@@ -78,6 +81,8 @@ class DFlashModule(LightningModule):
             min_lr_ratio: Final learning rate as a fraction of `lr`.
             compile: Compile the drafter's layers and head loss in place after its buffers exist.
             compile_mode: torch.compile mode (None, "default", "reduce-overhead", "max-autotune-no-cudagraphs").
+            compile_cache_dir: Persistent compiler cache (sets TORCHINDUCTOR_CACHE_DIR); runs that share it skip
+                the cold compile (about 3 min for the Qwen3-8B recipe on an H200, 6 s warm).
             metrics_every: Compute and log accuracy and acceptance metrics every N training batches.
             topk: Top-k accuracies to report; must include 1.
             head_chunk_size: Rows of the frozen head's logits made at once in the loss.
@@ -110,6 +115,8 @@ class DFlashModule(LightningModule):
             hp.token_budget, cfg.num_context_layers * cfg.hidden_size, cfg.block_size, cfg.loss_gamma
         )
         if hp.compile:
+            if hp.compile_cache_dir:  # read by inductor at its first compile, which comes after this
+                os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(hp.compile_cache_dir).resolve())
             self.drafter.compile_blocks(hp.compile_mode)
 
     def step(self, batch: dict[str, Tensor], topk: int = 0, generator: torch.Generator | None = None) -> DraftOutput:
@@ -145,10 +152,12 @@ class DFlashModule(LightningModule):
         self.val_metrics.reset()
 
     def _log_metrics(self, stage: str, values: dict[str, Tensor], loss: Tensor | None = None) -> None:
+        """Log metric values after one device-to-host copy, so later progress-bar reads never sync."""
         if loss is not None:
-            self.log(f"{stage}/loss", loss.detach(), prog_bar=True, batch_size=1)
-        shown = {"acc", "tau"}
-        for name, value in values.items():
+            values = {"loss": loss.detach(), **values}
+        host = torch.stack([v.float() for v in values.values()]).cpu()
+        shown = {"loss", "acc", "tau"}
+        for (name, _), value in zip(values.items(), host, strict=True):
             self.log(f"{stage}/{name}", value, prog_bar=name in shown, batch_size=1)
 
     def configure_optimizers(self) -> dict[str, Any]:
@@ -158,7 +167,7 @@ class DFlashModule(LightningModule):
         no_decay = [p for p in params if p.ndim < 2]
         optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=hp.lr, betas=tuple(hp.betas),
+            lr=hp.lr, betas=tuple(hp.betas), fused=self.device.type == "cuda",  # one kernel per step on GPUs
         )
         total = max(1, int(self.trainer.estimated_stepping_batches))
         warmup = int(hp.warmup_ratio * total)

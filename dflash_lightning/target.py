@@ -139,9 +139,13 @@ class FeatureExtractor(nn.Module):
     @torch.no_grad()
     def forward(self, input_ids: Tensor, position_ids: Tensor) -> Tensor:
         """Context features of a packed row `[T]`: per-document causal attention.  # [T, K*H]"""
-        # Positions restarting at 0 mark document starts; transformers then masks across documents.
+        # Positions restarting at 0 mark document starts. For SDPA the per-document causal mask is built
+        # here, on the device; left to transformers, finding the documents costs a host sync per forward.
         self._captured.clear()
-        self.model(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False)
+        mask = None
+        if getattr(self.model.config, "_attn_implementation", None) == "sdpa":
+            mask = packed_causal_mask(position_ids)[None, None]  # [1, 1, T, T], True = attend
+        self.model(input_ids=input_ids[None], position_ids=position_ids[None], attention_mask=mask, use_cache=False)
         outs = [self._captured[j][0] for j in self.layer_ids]
         outs = [
             self.final_norm(o) if j == self.last_layer and self.final_norm is not None else o
@@ -149,6 +153,15 @@ class FeatureExtractor(nn.Module):
         ]
         self._captured.clear()
         return torch.cat(outs, dim=-1)
+
+
+def packed_causal_mask(position_ids: Tensor) -> Tensor:
+    """Causal attention within each document of a packed row whose positions restart at 0.  # [T, T] bool"""
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[1:] = position_ids[1:] != position_ids[:-1] + 1
+    doc = starts.cumsum(0)
+    index = torch.arange(position_ids.numel(), device=position_ids.device)
+    return (doc[:, None] == doc[None, :]) & (index[:, None] >= index[None, :])
 
 
 def _decoder_layers(model: nn.Module) -> nn.ModuleList:

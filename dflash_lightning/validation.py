@@ -76,7 +76,7 @@ class SpeculativeValidation(Callback):
             report = evaluate(drafter, self.model, self.tokenizer, self.prompts, self.max_new_tokens,
                               enable_thinking=self.enable_thinking, progress=False, warmup=False)
         if log and report["tau"] is not None:
-            pl_module.log("val/tau_served", float(report["tau"]), rank_zero_only=True, prog_bar=True)
-            pl_module.log("val/speculative_mismatches", float(report["mismatches"]), rank_zero_only=True)
+            pl_module.log("val/tau_served", torch.tensor(float(report["tau"])), rank_zero_only=True, prog_bar=True)
+            pl_module.log("val/speculative_mismatches", torch.tensor(float(report["mismatches"])), rank_zero_only=True)
         self.report = report
         return report

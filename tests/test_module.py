@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from helpers import packed_batch
@@ -43,6 +45,12 @@ def test_compiled_and_eager_give_the_same_loss_and_grads(tiny_target):
     torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-5)
     assert losses[0] > 0
+
+
+def test_compile_cache_dir_points_inductor_at_a_persistent_folder(tiny_target, tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "elsewhere")  # restored after the test
+    make_module(tiny_target, compile=True, compile_cache_dir=str(tmp_path / "cache"))
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "cache")
 
 
 def test_batch_of_wrong_shape_is_refused(tiny_target):

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from helpers import packed_batch
 from transformers import AutoModelForCausalLM
 
-from dflash_lightning.target import FeatureExtractor, load_target_io
+from dflash_lightning.target import FeatureExtractor, load_target_io, packed_causal_mask
 
 
-def test_features_of_packed_documents_equal_per_document_hidden_states(tiny_target):
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])  # sdpa: our device-side mask; eager: transformers' own
+def test_features_of_packed_documents_equal_per_document_hidden_states(tiny_target, attn):
     layer_ids = [1, 3, 5]  # 5 is the last layer: HF numbering gives its normed output
-    extractor = FeatureExtractor.from_pretrained(str(tiny_target), layer_ids, torch.float32)
+    extractor = FeatureExtractor.from_pretrained(str(tiny_target), layer_ids, torch.float32, attn_implementation=attn)
     assert len(extractor.model.layers) == 6
     extractor2 = FeatureExtractor.from_pretrained(str(tiny_target), [0, 2], torch.float32)
     assert len(extractor2.model.layers) == 3  # nothing past max(ids) is built
@@ -29,6 +31,13 @@ def test_features_of_packed_documents_equal_per_document_hidden_states(tiny_targ
         torch.testing.assert_close(feats[start:start + n], expected, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(feats2[start:start + n], torch.cat([hs[1][0], hs[3][0]], -1), rtol=1e-4, atol=1e-4)
         start += n
+
+
+def test_packed_causal_mask_matches_a_plain_reference():
+    positions = torch.tensor([0, 1, 2, 0, 1, 0, 1, 2, 3, 0])
+    doc = [0, 0, 0, 1, 1, 2, 2, 2, 2, 3]
+    expected = torch.tensor([[doc[q] == doc[k] and k <= q for k in range(10)] for q in range(10)])
+    assert torch.equal(packed_causal_mask(positions), expected)
 
 
 def test_target_io_reads_embedding_and_head(tiny_target):
