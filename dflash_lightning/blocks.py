@@ -7,8 +7,9 @@ shape set by the token budget T, the anchor count A and the block size B, so the
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask
+from torch.nn.attention.flex_attention import BlockMask, create_mask
 
 
 def slot_weights(block_size: int, gamma: float, device: torch.device | str | None = None) -> Tensor:
@@ -104,13 +105,53 @@ def build_block_mask(
 
     flex_attention has no backward on the CPU, so there the same mask_mod is materialised for SDPA.
     """
-    queries = anchors.numel() * block_size
-    mask_mod = block_mask_mod(doc_ids, anchors, anchor_valid, block_size)
-    keys = doc_ids.numel() + queries
     if doc_ids.device.type == "cpu":
-        return create_mask(mask_mod, None, None, queries, keys, device="cpu")[0, 0]
-    eager = not torch.compiler.is_compiling()  # outside a graph, let flex compile the mask builder itself
-    return create_block_mask(
-        mask_mod, None, None, queries, keys, device=doc_ids.device, BLOCK_SIZE=tile, _compile=eager
-    )
+        mask_mod = block_mask_mod(doc_ids, anchors, anchor_valid, block_size)
+        queries = anchors.numel() * block_size
+        return create_mask(mask_mod, None, None, queries, doc_ids.numel() + queries, device="cpu")[0, 0]
+    return tiled_block_mask(doc_ids, anchors, anchor_valid, block_size, tile)
 
+
+def tiled_block_mask(
+    doc_ids: Tensor, anchors: Tensor, anchor_valid: Tensor, block_size: int, tile: int = 128
+) -> BlockMask:
+    """The BlockMask of `block_mask_mod`, its tiles found from each block's visible key ranges.
+
+    A block sees the keys `[start of its document, anchor)` and its own B keys, so which tiles hold
+    visible keys follows from interval overlaps, without evaluating the mask over all `A*B x (T+A*B)`
+    pairs (`create_block_mask` compiles that for minutes). Fixed shapes, no host sync; inside partial
+    tiles `block_mask_mod` decides. Documents must be contiguous, as packing makes them.
+    """
+    T, A, B = doc_ids.numel(), anchors.numel(), block_size
+    queries, keys = A * B, T + A * B
+    device = doc_ids.device
+    position = torch.arange(T, device=device)
+    new_doc = torch.ones(T, dtype=torch.bool, device=device)
+    new_doc[1:] = doc_ids[1:] != doc_ids[:-1]
+    doc_start = torch.cummax(torch.where(new_doc, position, 0), 0).values  # [T]
+    ctx_lo = doc_start[anchors]
+    ctx_hi = torch.where(anchor_valid, anchors, ctx_lo)  # an invalid anchor sees no context
+    blk_lo = T + torch.arange(A, device=device) * B
+    tile_lo = torch.arange(0, keys, tile, device=device)  # [Kt]
+    tile_hi = (tile_lo + tile).clamp(max=keys)
+
+    def overlap(lo: Tensor, hi: Tensor) -> Tensor:  # keys of [lo, hi) in each key tile  # [A, Kt]
+        return (torch.minimum(hi[:, None], tile_hi) - torch.maximum(lo[:, None], tile_lo)).clamp(min=0)
+
+    seen = overlap(ctx_lo, ctx_hi) + overlap(blk_lo, blk_lo + B)  # [A, Kt]
+    q_tiles = -(-queries // tile)
+    pad = q_tiles * tile - queries  # rows past the queries count as seeing nothing, as in create_block_mask
+    rows_any = F.pad((seen > 0).repeat_interleave(B, 0), (0, 0, 0, pad)).unflatten(0, (q_tiles, tile))
+    rows_full = F.pad((seen == tile).repeat_interleave(B, 0), (0, 0, 0, pad)).unflatten(0, (q_tiles, tile))
+    full = rows_full.all(1)  # [Qt, Kt]
+    partial = rows_any.any(1) & ~full
+
+    def as_kv_blocks(tiles: Tensor) -> tuple[Tensor, Tensor]:
+        count = tiles.sum(-1, dtype=torch.int32)[None, None]
+        order = torch.argsort((~tiles).to(torch.int8), dim=-1, stable=True).to(torch.int32)[None, None]
+        return count, order
+
+    return BlockMask.from_kv_blocks(
+        *as_kv_blocks(partial), *as_kv_blocks(full), BLOCK_SIZE=tile,
+        mask_mod=block_mask_mod(doc_ids, anchors, anchor_valid, block_size), seq_lengths=(queries, keys),
+    )

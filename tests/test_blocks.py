@@ -16,6 +16,7 @@ from dflash_lightning.blocks import (
     build_block_mask,
     select_anchors,
     slot_weights,
+    tiled_block_mask,
 )
 
 
@@ -33,10 +34,19 @@ def reference_mask(doc_ids: list[int], anchors: list[int], valid: list[bool], bl
     return mask
 
 
+def tiles(num_blocks: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """Dense `[query tiles, key tiles]` map of a BlockMask's listed tiles."""
+    out = torch.zeros(indices.shape[-2:], dtype=torch.bool)
+    for i, n in enumerate(num_blocks[0, 0].tolist()):
+        out[i, indices[0, 0, i, :n].long()] = True
+    return out
+
+
 @pytest.mark.parametrize("docs,total,num_anchors,block", [
     ([20, 7, 30], 64, 12, 4),          # several documents plus padding
     ([5, 5, 5, 5], 24, 10, 8),         # anchors near document ends, more slots than candidates
     ([64], 64, 20, 16),                # one document filling the budget
+    ([9, 25, 13], 52, 9, 10),          # B=10: blocks straddle tiles, T not a multiple of the tile
 ])
 def test_block_mask_matches_dense_reference(docs, total, num_anchors, block):
     batch = packed_batch(docs, total, seed=len(docs))
@@ -48,9 +58,17 @@ def test_block_mask_matches_dense_reference(docs, total, num_anchors, block):
     assert torch.equal(dense, expected)
     # The sparse BlockMask drives flex_attention to the same result as dense attention under that mask.
     q, k, v = (torch.randn(1, 2, n, 8, dtype=torch.float64) for n in (q_len, kv_len, kv_len))
-    sparse = create_block_mask(mask_mod, None, None, q_len, kv_len, device="cpu", BLOCK_SIZE=16)
+    sparse = tiled_block_mask(batch["doc_ids"], anchors, valid, block, tile=16)
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=expected)
     torch.testing.assert_close(flex_attention(q, k, v, block_mask=sparse), ref)
+    # Its partial and full tiles are exactly those flex finds by evaluating the mask everywhere.
+    evaluated = create_block_mask(mask_mod, None, None, q_len, kv_len, device="cpu", BLOCK_SIZE=16)
+    for mask in (sparse, evaluated):
+        assert mask.kv_indices.shape[-2:] == evaluated.kv_indices.shape[-2:]
+    assert torch.equal(tiles(sparse.kv_num_blocks, sparse.kv_indices),
+                       tiles(evaluated.kv_num_blocks, evaluated.kv_indices))
+    assert torch.equal(tiles(sparse.full_kv_num_blocks, sparse.full_kv_indices),
+                       tiles(evaluated.full_kv_num_blocks, evaluated.full_kv_indices))
     # On the CPU the step uses the same rule materialised densely.
     assert torch.equal(build_block_mask(batch["doc_ids"], anchors, valid, block), expected)
 
