@@ -73,6 +73,21 @@ def test_block_mask_matches_dense_reference(docs, total, num_anchors, block):
     assert torch.equal(build_block_mask(batch["doc_ids"], anchors, valid, block), expected)
 
 
+@pytest.mark.parametrize("block", [16, 10])
+def test_tiled_block_mask_at_training_tile_size(block):
+    """The GPU tile of 128 over a realistic row: many documents, sorted anchors, padding at the end."""
+    batch = packed_batch([300, 41, 517, 90, 700, 250], 2000, seed=5, supervise_from=30)
+    anchors, valid = select_anchors(batch["loss_mask"], batch["doc_ids"], 100, torch.Generator().manual_seed(2))
+    q_len, kv_len = 100 * block, 2000 + 100 * block
+    ours = tiled_block_mask(batch["doc_ids"], anchors, valid, block)
+    mask_mod = block_mask_mod(batch["doc_ids"], anchors, valid, block)
+    evaluated = create_block_mask(mask_mod, None, None, q_len, kv_len, device="cpu", BLOCK_SIZE=128)
+    assert torch.equal(tiles(ours.kv_num_blocks, ours.kv_indices), tiles(evaluated.kv_num_blocks, evaluated.kv_indices))
+    assert torch.equal(tiles(ours.full_kv_num_blocks, ours.full_kv_indices),
+                       tiles(evaluated.full_kv_num_blocks, evaluated.full_kv_indices))
+    assert ours.full_kv_num_blocks.sum() > 0  # the row has full tiles, so the skip of mask_mod is exercised
+
+
 def test_padding_sees_nothing_and_is_seen_by_nothing():
     batch = packed_batch([10, 6], 32)
     anchors, valid = select_anchors(batch["loss_mask"], batch["doc_ids"], 8)
