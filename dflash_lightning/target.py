@@ -247,6 +247,21 @@ class FeaturePrefetcher:
                     q.get_nowait()
 
 
+def rank_devices(devices: list[str], local_rank: int, ranks_per_node: int) -> list[str]:
+    """The target devices one of a node's trainer ranks drives: every N-th from its local rank.
+
+    6 target GPUs and 2 trainer ranks: 3 each. With fewer devices than ranks, ranks share one device
+    (2 target GPUs, 4 ranks: two copies on each). Loads must balance, or the other ranks wait.
+    """
+    n, k = ranks_per_node, len(devices)
+    if k % n and n % k:
+        raise ValueError(
+            f"target.target_devices: {k} devices cannot be shared evenly by {n} trainer ranks per node; "
+            f"use a multiple or a divisor of {n}"
+        )
+    return devices[local_rank::n] if k >= n else [devices[local_rank % k]]
+
+
 class TargetFeatures(Callback):
     """Owns the frozen target and puts each batch's context features into it before the step."""
 
@@ -265,7 +280,8 @@ class TargetFeatures(Callback):
             dtype: Dtype the target runs in.
             placement: `colocated`: the target runs on the trainer's own device, features never leave it;
                 `separate`: copies of the target on `target_devices` compute features ahead in threads.
-            target_devices: Devices of the target copies for `separate` (e.g. [cuda:2, cuda:3]).
+            target_devices: Devices of the target copies for `separate` (e.g. [cuda:2, cuda:3]); with several
+                trainer devices per node they are dealt out among the node's ranks (see `rank_devices`).
             prefetch: Batches each separate target may compute ahead of the trainer (a bounded queue).
             attn_implementation: transformers attention backend of the target (sdpa, eager, flex_attention).
         """
@@ -292,7 +308,7 @@ class TargetFeatures(Callback):
         if self.placement == "colocated":
             self.extractor = load(trainer.strategy.root_device)
             return
-        self.extractors = [load(d) for d in self.target_devices]
+        self.extractors = [load(d) for d in rank_devices(self.target_devices, trainer.local_rank, trainer.num_devices)]
         datamodule, device = trainer.datamodule, trainer.strategy.root_device
         for name in ("train_dataloader", "val_dataloader"):
             make = getattr(datamodule, name)

@@ -55,7 +55,10 @@ def test_two_rank_gradient_equals_single_process_global_batch():
 
 
 def test_two_process_ddp_fit_through_the_cli(tmp_path):
-    """`--trainer.strategy=ddp --trainer.devices=2` on the CPU (gloo) runs the tiny config to the end."""
+    """`--trainer.strategy=ddp --trainer.devices=2` on the CPU (gloo) runs the tiny config to the end.
+
+    With the target placed apart: each rank takes one of the two listed target devices.
+    """
     import subprocess
     import sys
     from pathlib import Path
@@ -63,7 +66,7 @@ def test_two_process_ddp_fit_through_the_cli(tmp_path):
     root = Path(__file__).parents[1]
     cmd = [sys.executable, "-m", "dflash_lightning", "fit", "--config", "configs/tiny.yaml",
            "--trainer.strategy=ddp", "--trainer.devices=2", "--trainer.max_steps=3", "--model.metrics_every=1",
-           "--trainer.log_every_n_steps=1",
+           "--trainer.log_every_n_steps=1", "--target.placement=separate", "--target.target_devices=[cpu,cpu]",
            f"--trainer.default_root_dir={tmp_path}", "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
            f"--trainer.logger.save_dir={tmp_path}", "--trainer.callbacks=[]", "--spec_eval.every_n_steps=0"]
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}

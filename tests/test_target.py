@@ -7,7 +7,7 @@ import torch
 from helpers import packed_batch
 from transformers import AutoModelForCausalLM
 
-from dflash_lightning.target import FeatureExtractor, load_target_io, packed_causal_mask
+from dflash_lightning.target import FeatureExtractor, load_target_io, packed_causal_mask, rank_devices
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])  # sdpa: our device-side mask; eager: transformers' own
@@ -45,3 +45,13 @@ def test_target_io_reads_embedding_and_head(tiny_target):
     embed, head = load_target_io(str(tiny_target))
     assert torch.equal(embed, full.get_input_embeddings().weight)
     assert torch.equal(head, full.lm_head.weight)
+
+
+def test_target_devices_are_dealt_out_among_a_nodes_ranks():
+    six = [f"cuda:{i}" for i in range(2, 8)]
+    assert rank_devices(six, 0, 2) == ["cuda:2", "cuda:4", "cuda:6"]  # the seeds' 6 target / 2 trainer GPUs
+    assert rank_devices(six, 1, 2) == ["cuda:3", "cuda:5", "cuda:7"]
+    assert rank_devices(six, 0, 1) == six
+    assert [rank_devices(["cuda:6", "cuda:7"], r, 4) for r in range(4)] == [["cuda:6"], ["cuda:7"]] * 2
+    with pytest.raises(ValueError, match="target.target_devices: 5 devices .* 2 trainer ranks"):
+        rank_devices(six[:5], 0, 2)
