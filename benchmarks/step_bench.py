@@ -10,6 +10,10 @@ FLOPs per step (model FLOPs, forward + backward, no recomputation counted):
   attention       12 * head_dim * heads * visible (query, key) pairs, counted from the batch's block mask
   frozen head     4 * A*B * hidden * vocab (logits forward and the hidden-state gradient; no weight gradient)
 MFU = FLOPs / step seconds / measured bf16 matmul peak.
+
+Also reported: the compile warm-up (all warm-up steps minus as many steady steps) with a fresh compiler
+cache, and again in a new process that finds the cache; recompiles and host syncs (CUDA sync debug mode)
+over the steady steps, with progress bar and CSV logger on; a kernel profile of three steps by family.
 """
 
 from __future__ import annotations
