@@ -8,12 +8,17 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -58,15 +63,7 @@ def load_target_io(path: str) -> tuple[Tensor, Tensor]:
     from safetensors import safe_open
 
     folder = resolve_model_dir(path)
-    index = folder / "model.safetensors.index.json"
-    if index.exists():
-        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-    else:
-        single = folder / "model.safetensors"
-        if not single.exists():
-            raise FileNotFoundError(f"target: no model.safetensors or index in {folder}")
-        with safe_open(single, "pt") as f:
-            weight_map = {k: single.name for k in f.keys()}  # noqa: SIM118
+    weight_map = _weight_map(folder)
 
     def find(suffix: str) -> str | None:
         hits = sorted(k for k in weight_map if k.endswith(suffix) and "vision" not in k)
@@ -92,20 +89,25 @@ class FeatureExtractor(nn.Module):
         self.model, self.layer_ids = model, list(layer_ids)
         self._captured: dict[int, Tensor] = {}
         layers = _decoder_layers(model)
+        # hidden_states[L] in HF numbering is normed: the last layer's feature is the final norm's output.
+        last, norm = num_target_layers - 1, getattr(model, "norm", None)
         for j in sorted(set(self.layer_ids)):
-            layers[j].register_forward_hook(self._capture(j))
-        # hidden_states[L] in HF numbering is normed; only the last layer's output needs the final norm.
-        self.last_layer = num_target_layers - 1
-        self.final_norm = getattr(model, "norm", None)
+            source = norm if j == last and norm is not None else layers[j]
+            source.register_forward_hook(self._capture(j))
         self.requires_grad_(False).eval()
 
     @classmethod
     def from_pretrained(
         cls, path: str, layer_ids: list[int], dtype: torch.dtype = torch.bfloat16,
-        device: torch.device | str = "cpu", attn_implementation: str = "sdpa",
+        device: torch.device | str = "cpu", attn_implementation: str = "sdpa", mesh: DeviceMesh | None = None,
     ) -> FeatureExtractor:
-        """Load only the decoder layers the features need (no final norm use, no LM head)."""
+        """Load only the decoder layers the features need (no LM head).
+
+        With `mesh`, the target is sharded across the mesh's ranks (FSDP2): each rank reads only its rows
+        of every weight and holds 1/N of the target; a forward gathers one layer's weights at a time.
+        """
         from transformers import AutoConfig, AutoModel
+        from transformers.utils import logging as hf_logging
 
         folder = resolve_model_dir(path)
         config = AutoConfig.from_pretrained(folder)
@@ -117,8 +119,9 @@ class FeatureExtractor(nn.Module):
         t_text.num_hidden_layers = keep
         if isinstance(getattr(t_text, "layer_types", None), list):
             t_text.layer_types = t_text.layer_types[:keep]
-        from transformers.utils import logging as hf_logging
-
+        if mesh is not None:
+            model = _sharded_model(folder, truncated, dtype, attn_implementation, mesh, torch.device(device))
+            return cls(getattr(model, "language_model", model), layer_ids, total)
         level = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()  # the skipped layers and head are expected, not worth a warning
         try:
@@ -146,13 +149,89 @@ class FeatureExtractor(nn.Module):
         if getattr(self.model.config, "_attn_implementation", None) == "sdpa":
             mask = packed_causal_mask(position_ids)[None, None]  # [1, 1, T, T], True = attend
         self.model(input_ids=input_ids[None], position_ids=position_ids[None], attention_mask=mask, use_cache=False)
+        if hasattr(self.model, "reshard"):  # a sharded target: free the gathered root weights too
+            self.model.reshard()
         outs = [self._captured[j][0] for j in self.layer_ids]
-        outs = [
-            self.final_norm(o) if j == self.last_layer and self.final_norm is not None else o
-            for j, o in zip(self.layer_ids, outs, strict=True)
-        ]
         self._captured.clear()
         return torch.cat(outs, dim=-1)
+
+
+@contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Modules built inside get meta parameters (no memory, no init) and real buffers (rotary tables)."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None:
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def _sharded_model(folder: Path, config: Any, dtype: torch.dtype, attn_implementation: str, mesh: DeviceMesh,
+                   device: torch.device) -> nn.Module:
+    """The truncated target with every decoder layer and the rest sharded over `mesh`, weights read by rows."""
+    from safetensors import safe_open
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModel
+
+    with _parameters_on_meta():
+        model = AutoModel.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+    text = getattr(model, "language_model", model)
+    for layer in _decoder_layers(text):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, value in buffers.items():
+            model.get_buffer(name).copy_(value)
+        weight_map = _weight_map(folder)
+        rank, world = mesh.get_local_rank(), mesh.size()
+        for name, param in model.named_parameters():
+            key = _checkpoint_key(name, weight_map, folder)
+            local = param.to_local()
+            rows = param.shape[0]
+            chunk = -(-rows // world)  # FSDP2 shards dim 0 as torch.chunk does
+            start, stop = min(rows, rank * chunk), min(rows, (rank + 1) * chunk)
+            if local.shape[0] != stop - start:
+                raise RuntimeError(f"sharded target: unexpected shard of '{name}': {tuple(local.shape)}")
+            with safe_open(folder / weight_map[key], "pt") as f:
+                tensor = f.get_slice(key)
+                if tuple(tensor.get_shape()) != tuple(param.shape):
+                    raise ValueError(f"target: {folder}: tensor '{key}' has shape {tuple(tensor.get_shape())}, "
+                                     f"the model expects {tuple(param.shape)}")
+                local.copy_(tensor[start:stop].to(dtype))
+    return model.eval()
+
+
+def _weight_map(folder: Path) -> dict[str, str]:
+    """Checkpoint tensor name -> safetensors file name."""
+    from safetensors import safe_open
+
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        return json.loads(index.read_text())["weight_map"]
+    single = folder / "model.safetensors"
+    if not single.exists():
+        raise FileNotFoundError(f"target: no model.safetensors or index in {folder}")
+    with safe_open(single, "pt") as f:
+        return {k: single.name for k in f.keys()}  # noqa: SIM118
+
+
+def _checkpoint_key(name: str, weight_map: dict[str, str], folder: Path) -> str:
+    """The checkpoint tensor of a base-model parameter (`layers.0.mlp...` is `model.layers.0.mlp...`)."""
+    hits = [k for k in weight_map if k == name or k.endswith("." + name)]
+    if len(hits) != 1:
+        found = f"{len(hits)} tensors ({', '.join(hits[:3])})" if hits else "no tensor"
+        raise KeyError(f"target: {folder} has {found} for parameter '{name}'; a sharded target reads weights by "
+                       "name and cannot follow checkpoints whose weights transformers converts on load")
+    return hits[0]
 
 
 def packed_causal_mask(position_ids: Tensor) -> Tensor:
@@ -262,6 +341,22 @@ def rank_devices(devices: list[str], local_rank: int, ranks_per_node: int) -> li
     return devices[local_rank::n] if k >= n else [devices[local_rank % k]]
 
 
+def node_mesh(trainer: Trainer) -> DeviceMesh:
+    """The 1-D device mesh of this node's trainer ranks (a sharded target stays inside a node's links)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError("target.placement 'sharded' needs a distributed strategy over several devices "
+                         "(--trainer.strategy=ddp or fsdp); on one device use 'colocated'")
+    shape = (trainer.num_nodes, trainer.num_devices)
+    if shape[0] * shape[1] != dist.get_world_size():
+        raise ValueError(f"target.placement 'sharded': {shape[0]} nodes x {shape[1]} devices != world size "
+                         f"{dist.get_world_size()}")
+    mesh = init_device_mesh(trainer.strategy.root_device.type, shape, mesh_dim_names=("node", "local"))
+    return mesh["local"]
+
+
 class TargetFeatures(Callback):
     """Owns the frozen target and puts each batch's context features into it before the step."""
 
@@ -269,7 +364,7 @@ class TargetFeatures(Callback):
         self,
         path: str,
         dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16",
-        placement: Literal["colocated", "separate"] = "colocated",
+        placement: Literal["colocated", "separate", "sharded"] = "colocated",
         target_devices: list[str] | None = None,
         prefetch: int = 2,
         attn_implementation: str = "sdpa",
@@ -279,7 +374,9 @@ class TargetFeatures(Callback):
             path: Hugging Face model folder or hub id of the target.
             dtype: Dtype the target runs in.
             placement: `colocated`: the target runs on the trainer's own device, features never leave it;
-                `separate`: copies of the target on `target_devices` compute features ahead in threads.
+                `separate`: copies of the target on `target_devices` compute features ahead in threads;
+                `sharded`: one target sharded over the node's trainer GPUs (for a target too large for one),
+                each rank running its own batch through it.
             target_devices: Devices of the target copies for `separate` (e.g. [cuda:2, cuda:3]); with several
                 trainer devices per node they are dealt out among the node's ranks (see `rank_devices`).
             prefetch: Batches each separate target may compute ahead of the trainer (a bounded queue).
@@ -301,18 +398,26 @@ class TargetFeatures(Callback):
             return  # the data module serves cached context features; no target is needed
         layer_ids = pl_module.drafter_config.target_layer_ids
 
-        def load(device: torch.device | str) -> FeatureExtractor:
-            return FeatureExtractor.from_pretrained(self.path, layer_ids, DTYPES[self.dtype], device,
-                                                    self.attn_implementation)
-
         if self.placement == "colocated":
-            self.extractor = load(trainer.strategy.root_device)
+            self.extractor = self.load_extractor(trainer.strategy.root_device, layer_ids)
             return
-        self.extractors = [load(d) for d in rank_devices(self.target_devices, trainer.local_rank, trainer.num_devices)]
+        if self.placement == "sharded":
+            self.extractor = self.load_extractor(trainer.strategy.root_device, layer_ids, node_mesh(trainer))
+            return
+        devices = rank_devices(self.target_devices, trainer.local_rank, trainer.num_devices)
+        self.extractors = [self.load_extractor(d, layer_ids) for d in devices]
         datamodule, device = trainer.datamodule, trainer.strategy.root_device
         for name in ("train_dataloader", "val_dataloader"):
             make = getattr(datamodule, name)
             setattr(datamodule, name, lambda make=make: self.prefetched(make(), device))
+
+    def load_extractor(
+        self, device: torch.device | str, layer_ids: list[int], mesh: DeviceMesh | None = None
+    ) -> FeatureExtractor:
+        """The target's feature extractor on `device` (sharded over `mesh` when given)."""
+        return FeatureExtractor.from_pretrained(
+            self.path, layer_ids, DTYPES[self.dtype], device, self.attn_implementation, mesh
+        )
 
     def prefetched(self, loader: Any, device: torch.device) -> Any:
         """`loader` with features computed ahead by the separate targets (empty loaders pass through)."""

@@ -1,9 +1,10 @@
-"""Data parallel on the CPU (gloo): the loss and gradient of a global batch do not depend on the rank count."""
+"""Several processes on the CPU (gloo): data-parallel loss and gradients, a sharded target, the CLI under DDP."""
 
 from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -12,6 +13,7 @@ from helpers import packed_batch
 from test_model import tiny_drafter
 
 from dflash_lightning.blocks import select_anchors, slot_weights
+from dflash_lightning.target import FeatureExtractor
 
 ROWS = [packed_batch([30, 18], 64, seed=1), packed_batch([60], 64, seed=2)]  # very different weight sums
 FEATURES = [torch.randn(64, 96, dtype=torch.float64, generator=torch.Generator().manual_seed(i)) for i in (1, 2)]
@@ -54,10 +56,41 @@ def test_two_rank_gradient_equals_single_process_global_batch():
     torch.testing.assert_close(out[1], expected)
 
 
-def test_two_process_ddp_fit_through_the_cli(tmp_path):
+def _sharded_rank(rank: int, world: int, port: int, target: str, out: dict) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    extractor = FeatureExtractor.from_pretrained(target, [1, 3, 5], torch.float32, mesh=init_device_mesh("cpu", (2,)))
+    batch = packed_batch([11, 20 + 5 * rank], 48, vocab=50, seed=rank)  # each rank its own batch
+    feats = [extractor(batch["input_ids"], batch["position_ids"]) for _ in range(2)]
+    held = sum(p.to_local().numel() for p in extractor.parameters())
+    out[rank] = (feats, held)
+    dist.destroy_process_group()
+
+
+def test_sharded_target_gives_each_rank_the_features_of_its_own_batch(tiny_target):
+    """placement 'sharded': two ranks hold half the target each and compute the unsharded features."""
+    out = mp.Manager().dict()
+    mp.start_processes(_sharded_rank, args=(2, 29534, str(tiny_target), out), nprocs=2, join=True, start_method="fork")
+    full = FeatureExtractor.from_pretrained(str(tiny_target), [1, 3, 5], torch.float32)  # last layer 5: normed
+    total = sum(p.numel() for p in full.parameters())
+    for rank in range(2):
+        batch = packed_batch([11, 20 + 5 * rank], 48, vocab=50, seed=rank)
+        expected = full(batch["input_ids"], batch["position_ids"])
+        feats, held = out[rank]
+        for f in feats:  # a second forward finds the weights resharded and gathers them again
+            torch.testing.assert_close(f, expected, rtol=1e-5, atol=1e-5)
+        assert held <= total // 2 + 64  # half of every weight's rows (rounded up per tensor)
+    assert out[0][1] + out[1][1] == total
+
+
+@pytest.mark.parametrize("placement", ["separate", "sharded"])
+def test_two_process_ddp_fit_through_the_cli(tmp_path, placement):
     """`--trainer.strategy=ddp --trainer.devices=2` on the CPU (gloo) runs the tiny config to the end.
 
-    With the target placed apart: each rank takes one of the two listed target devices.
+    `separate`: each rank takes one of the two listed target devices; `sharded`: one target split over both.
     """
     import subprocess
     import sys
@@ -66,7 +99,7 @@ def test_two_process_ddp_fit_through_the_cli(tmp_path):
     root = Path(__file__).parents[1]
     cmd = [sys.executable, "-m", "dflash_lightning", "fit", "--config", "configs/tiny.yaml",
            "--trainer.strategy=ddp", "--trainer.devices=2", "--trainer.max_steps=3", "--model.metrics_every=1",
-           "--trainer.log_every_n_steps=1", "--target.placement=separate", "--target.target_devices=[cpu,cpu]",
+           "--trainer.log_every_n_steps=1", f"--target.placement={placement}", "--target.target_devices=[cpu,cpu]",
            f"--trainer.default_root_dir={tmp_path}", "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
            f"--trainer.logger.save_dir={tmp_path}", "--trainer.callbacks=[]", "--spec_eval.every_n_steps=0"]
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
