@@ -74,7 +74,7 @@ def write_target(folder: Path) -> Path:
     return folder
 
 
-def random_batch(token_budget: int, max_documents: int, seed: int) -> dict[str, torch.Tensor]:
+def random_batch(token_budget: int, max_documents: int, seed: int, vocab: int = MASK_ID) -> dict[str, torch.Tensor]:
     """A packed row of chat-like documents (300-3000 tokens, ~70% supervised), fixed shapes."""
     g = torch.Generator().manual_seed(seed)
     ids, pos, doc, mask, lengths = [], [], [], [], []
@@ -84,7 +84,7 @@ def random_batch(token_budget: int, max_documents: int, seed: int) -> dict[str, 
         if n < 64:
             break
         prompt = n * 3 // 10
-        ids.append(torch.randint(0, MASK_ID, (n,), generator=g))
+        ids.append(torch.randint(0, vocab, (n,), generator=g))
         pos.append(torch.arange(n))
         doc.append(torch.full((n,), len(lengths), dtype=torch.int32))
         mask.append(torch.arange(n) >= prompt)
@@ -103,9 +103,10 @@ def random_batch(token_budget: int, max_documents: int, seed: int) -> dict[str, 
 class RandomData(LightningDataModule):
     """A fixed pool of random packed batches, served round-robin (the data path is benchmarked apart)."""
 
-    def __init__(self, token_budget: int, max_documents: int = 64, pool: int = 8, steps: int = 100) -> None:
+    def __init__(self, token_budget: int, max_documents: int = 64, pool: int = 8, steps: int = 100,
+                 vocab: int = MASK_ID) -> None:
         super().__init__()
-        self.batches = [random_batch(token_budget, max_documents, s) for s in range(pool)]
+        self.batches = [random_batch(token_budget, max_documents, s, vocab) for s in range(pool)]
         self.steps = steps
 
     def train_dataloader(self):

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor, nn
 
 if TYPE_CHECKING:
@@ -408,6 +409,8 @@ class TargetFeatures(Callback):
         self.extractors = [self.load_extractor(d, layer_ids) for d in devices]
         datamodule, device = trainer.datamodule, trainer.strategy.root_device
         for name in ("train_dataloader", "val_dataloader"):
+            if not is_overridden(name, datamodule):  # a data module without validation keeps it that way
+                continue
             make = getattr(datamodule, name)
             setattr(datamodule, name, lambda make=make: self.prefetched(make(), device))
 

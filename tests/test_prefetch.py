@@ -62,3 +62,25 @@ def test_errors_in_the_target_thread_are_raised_on_the_trainer_thread():
 
     with pytest.raises(RuntimeError, match="target exploded"):
         list(FeaturePrefetcher(Loader(3), [Broken(0.0)], torch.device("cpu"), depth=1))
+
+
+def test_separate_placement_wraps_only_the_loaders_a_data_module_has(tiny_target):
+    """A data module without validation keeps none (wrapping the default would make Lightning call it)."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch import LightningDataModule
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    from dflash_lightning.target import TargetFeatures
+
+    class TrainOnly(LightningDataModule):
+        def train_dataloader(self):
+            return Loader(3)
+
+    data = TrainOnly()
+    trainer = SimpleNamespace(datamodule=data, local_rank=0, num_devices=1,
+                              strategy=SimpleNamespace(root_device=torch.device("cpu")))
+    module = SimpleNamespace(drafter_config=SimpleNamespace(target_layer_ids=[1]))
+    TargetFeatures(str(tiny_target), "float32", "separate", ["cpu"]).setup(trainer, module, "fit")
+    assert isinstance(data.train_dataloader(), FeaturePrefetcher)
+    assert not is_overridden("val_dataloader", data)
