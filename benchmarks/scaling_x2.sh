@@ -11,15 +11,15 @@ export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/inductor-scaling}
 target=${TARGET:-/tmp/qwen3-8b-random}
 bench="python3 benchmarks/scaling_bench.py --target $target --out $out/scaling.jsonl"
 [ -f "$target/config.json" ] || python3 benchmarks/scaling_bench.py --make-target "$target" || exit 1
-base() { grep '"devices": 1, "gpus": 1' "$out/scaling.jsonl" | tail -1 | python3 -c \
-  "import json,sys; print(json.loads(sys.stdin.read())['context_tokens_per_s'])"; }
+base() { grep -s '"devices": 1, "gpus": 1' "$out/scaling.jsonl" | tail -1 | python3 -c \
+  "import json,sys; t=sys.stdin.read(); print('--baseline', json.loads(t)['context_tokens_per_s']) if t else None"; }
 for layout in $layouts; do
   case $layout in
     base) args="--devices 1 --steps 100" ;;
-    ddp) args="--devices 2 --strategy ddp --steps 200 --baseline $(base)" ;;
-    separate) args="--devices 1 --trainer-gpus 1 --placement separate --target-devices cuda:0 --steps 200 --baseline $(base)" ;;
-    sharded) args="--devices 2 --strategy ddp --placement sharded --steps 100 --baseline $(base)" ;;
-    fsdp) args="--devices 2 --strategy fsdp --steps 100 --baseline $(base)" ;;
+    ddp) args="--devices 2 --strategy ddp --steps 200 $(base)" ;;
+    separate) args="--devices 1 --trainer-gpus 1 --placement separate --target-devices cuda:0 --steps 200 $(base)" ;;
+    sharded) args="--devices 2 --strategy ddp --placement sharded --steps 100 $(base)" ;;
+    fsdp) args="--devices 2 --strategy fsdp --steps ${FSDP_STEPS:-100} $(base)" ;;
     *) echo "unknown layout $layout"; exit 2 ;;
   esac
   echo "== $layout: $args ($SECONDS s)"

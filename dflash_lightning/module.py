@@ -160,6 +160,17 @@ class DFlashModule(LightningModule):
         for (name, _), value in zip(values.items(), host, strict=True):
             self.log(f"{stage}/{name}", value, prog_bar=name in shown, batch_size=1)
 
+    def configure_gradient_clipping(
+        self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:
+        """Clip by norm through FSDP's own `clip_grad_norm_` (the norm over all shards) where the model has it."""
+        wrapped = self.trainer.model
+        if gradient_clip_val and gradient_clip_algorithm in (None, "norm") and hasattr(wrapped, "clip_grad_norm_"):
+            wrapped.clip_grad_norm_(gradient_clip_val)  # Lightning's own norm clipping refuses FSDP
+            return
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
         params = [p for p in self.drafter.parameters() if p.requires_grad]

@@ -85,3 +85,21 @@ def test_bad_configs_fail_before_any_compute(tiny_target, drafter, kw, message):
 def test_missing_target_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="no model folder at"):
         DFlashModule(str(tmp_path / "nope"))
+
+
+def test_norm_clipping_goes_through_fsdps_own_clip_grad_norm(tiny_target):
+    """Lightning refuses norm clipping under FSDP; the module hands it to the wrapped model's clip_grad_norm_."""
+    from types import SimpleNamespace
+
+    module = make_module(tiny_target)
+    calls = []
+    fsdp_like = SimpleNamespace(clip_grad_norm_=calls.append)
+    module._trainer = SimpleNamespace(model=fsdp_like)
+    module.clip_gradients = lambda optimizer, gradient_clip_val, gradient_clip_algorithm: calls.append(
+        ("lightning", gradient_clip_val, gradient_clip_algorithm)
+    )
+    module.configure_gradient_clipping(None, 1.0, "norm")
+    module.configure_gradient_clipping(None, 1.0, "value")  # not a norm: Lightning's own clipping
+    module._trainer = SimpleNamespace(model=torch.nn.Linear(1, 1))  # DDP / one device: Lightning's own
+    module.configure_gradient_clipping(None, 1.0, "norm")
+    assert calls == [1.0, ("lightning", 1.0, "value"), ("lightning", 1.0, "norm")]
