@@ -1,7 +1,7 @@
 """The frozen target: its context features (DFLASH.md section 1) and the callback that serves them.
 
-Only the target's first `max(layer_ids) + 1` decoder layers are built and run; no final norm or LM
-head is computed to make features. The target never enters the LightningModule or its checkpoint.
+Only the target's first `max(layer_ids) + 1` decoder layers are built and run; no LM head is built. The
+target never enters the LightningModule or its checkpoint.
 """
 
 from __future__ import annotations
