@@ -55,3 +55,15 @@ def test_target_devices_are_dealt_out_among_a_nodes_ranks():
     assert [rank_devices(["cuda:6", "cuda:7"], r, 4) for r in range(4)] == [["cuda:6"], ["cuda:7"]] * 2
     with pytest.raises(ValueError, match="target.target_devices: 5 devices .* 2 trainer ranks"):
         rank_devices(six[:5], 0, 2)
+
+
+def test_sharded_placement_without_several_ranks_is_refused_naming_the_field(tiny_target):
+    from types import SimpleNamespace
+
+    from dflash_lightning.target import TargetFeatures
+
+    trainer = SimpleNamespace(datamodule=None, num_nodes=1, num_devices=1,
+                              strategy=SimpleNamespace(root_device=torch.device("cpu")))
+    module = SimpleNamespace(drafter_config=SimpleNamespace(target_layer_ids=[1]))
+    with pytest.raises(ValueError, match="target.placement 'sharded' needs a distributed strategy"):
+        TargetFeatures(str(tiny_target), "float32", "sharded").setup(trainer, module, "fit")
