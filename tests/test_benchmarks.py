@@ -1,0 +1,23 @@
+"""The multi-GPU scaling benchmark's own code path, on the CPU with the tiny target (a smoke run)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).parents[1]
+
+
+def test_scaling_bench_cpu_smoke_writes_one_json_line(tmp_path):
+    out = tmp_path / "scaling.jsonl"
+    cmd = [sys.executable, "benchmarks/scaling_bench.py", "--cpu-smoke", "--placement", "separate",
+           "--target-devices", "cpu", "--warmup", "1", "--steps", "2", "--baseline", "1000", "--out", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert row["placement"] == "separate" and row["gpus"] == 2 and row["steps"] == 3
+    assert row["context_tokens_per_s"] > 0 and row["scaling_efficiency"] > 0
