@@ -110,7 +110,8 @@ def data_header(dm: DFlashDataModule, splits: dict[str, tuple[list[Path], Tokeni
     return {
         "tokenizer": {"path": str(hp.tokenizer), "sha256": tokenizer_sha256(hp.tokenizer)},
         "data": {"format": hp.format, "enable_thinking": hp.enable_thinking, "max_length": dm.max_length,
-                 "block_size": hp.block_size, "on_bad_record": hp.on_bad_record},
+                 "block_size": hp.block_size, "min_supervised_tokens": dm.min_supervised,
+                 "on_bad_record": hp.on_bad_record},
         "splits": {
             split: {"files": [str(p) for p in paths], "files_sha256": [sha256_path(p) for p in paths],
                     "num_samples": len(samples), "num_tokens": int(samples.input_ids.numel()),
@@ -127,9 +128,12 @@ def target_header(path: str, layer_ids: Sequence[int], hidden_size: int) -> dict
 
 
 # Fields a reader compares (dotted paths; `*` is every split of the run). Paths and sizes are informational.
-COMPARED = ("version", "target.config_sha256", "target.weights_sha256", "target.layer_ids", "target.hidden_size",
-            "tokenizer.sha256", "data.format", "data.enable_thinking", "data.max_length", "data.block_size",
-            "data.on_bad_record", "splits.*.files_sha256", "splits.*.num_samples", "splits.*.samples_sha256")
+COMPARED = (
+    "version", "target.config_sha256", "target.weights_sha256", "target.layer_ids", "target.hidden_size",
+    "tokenizer.sha256", "data.format", "data.enable_thinking", "data.max_length", "data.block_size",
+    "data.min_supervised_tokens", "data.on_bad_record", "splits.*.files_sha256", "splits.*.num_samples",
+    "splits.*.samples_sha256",
+)
 # ... and a resumed cache run also these, which decide the shards already written.
 WRITER_COMPARED = ("feature_format", "target.dtype", "writing.shard_bytes", "writing.forward_tokens")
 

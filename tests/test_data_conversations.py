@@ -221,7 +221,7 @@ def test_drop_rule_counts_short_samples(tok, tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"messages": chat(i, reply=r)} for i, r in enumerate([30, 5, 12, 3])])
     samples = tokenize(tok, [path], min_supervised=12)  # a reply of r characters supervises r + 1 tokens
     assert len(samples) == 2
-    reason = "fewer than 12 supervised tokens (2 * block_size)"
+    reason = "fewer than 12 supervised tokens (min_supervised_tokens)"
     assert samples.dropped == {reason: 2}
     assert samples.first_dropped[reason] == f"{path}:2"
     assert reason in samples.report("train", 12)

@@ -74,6 +74,7 @@ def same(a: list[dict], b: list[dict]) -> bool:
         ({"val_batches": 0}, "val_batches must be >= 1"),
         ({"shuffle_buffer": 0}, "shuffle_buffer must be >= 1"),
         ({"num_workers": -1}, "num_workers must be >= 0"),
+        ({"min_supervised_tokens": 1}, "min_supervised_tokens must be >= 2"),
         ({"tokenizer": ""}, "tokenizer must be"),
         ({"train_files": []}, "train_files must list files"),
         ({"val_files": ["missing/val.jsonl"]}, r"missing/val\.jsonl: val_files: file does not exist"),
@@ -91,7 +92,7 @@ def test_epoch_serves_every_sample_once_in_fixed_shapes(data, caplog):
     dm = make_dm(data)
     assert dm.pad_id == 257  # <|endoftext|>
     assert len(dm.train_samples) == 57  # 3 replies of 2 characters supervise fewer than 2 * block_size tokens
-    assert "3 fewer than 8 supervised tokens (2 * block_size)" in caplog.text
+    assert "3 fewer than 8 supervised tokens (min_supervised_tokens)" in caplog.text
     loader = dm.train_dataloader()
     epochs = [list(loader) for _ in range(3)]
     for batches in epochs:
@@ -252,3 +253,11 @@ def test_cache_dir(data, tmp_path, monkeypatch):
                for k in ("input_ids", "loss_mask", "starts"))
     with pytest.raises(AssertionError, match="cache"):  # another max_length is another cache entry
         make_dm(data, val_files=None, cache_dir=str(tmp_path / "cache"), max_length=100)
+    with pytest.raises(AssertionError, match="cache"):  # so is another minimum of supervised tokens
+        make_dm(data, val_files=None, cache_dir=str(tmp_path / "cache"), min_supervised_tokens=2)
+
+
+def test_min_supervised_tokens_keeps_short_replies(data):
+    """The default minimum (2 * block_size = 8) drops 3 replies supervising 3 tokens; a minimum of 2 keeps them."""
+    assert len(make_dm(data, val_files=None).train_samples) == 57
+    assert len(make_dm(data, val_files=None, min_supervised_tokens=2).train_samples) == 60

@@ -80,7 +80,7 @@ def test_manifest_records_what_the_features_depend_on(setup):
     assert manifest["complete"] and manifest["feature_format"] == "bf16" and manifest["feature_dim"] == 64
     assert manifest["target"]["layer_ids"] == LAYER_IDS and manifest["target"]["hidden_size"] == 32
     assert manifest["data"] == {"format": "auto", "enable_thinking": None, "max_length": 256, "block_size": 8,
-                                "on_bad_record": "error"}
+                                "min_supervised_tokens": 16, "on_bad_record": "error"}
     train = manifest["splits"]["train"]
     assert train["num_samples"] == 40 and len(train["shards"]) >= 3
     assert [s["first"] for s in train["shards"]][0] == 0 and train["shards"][-1]["end"] == 40
@@ -238,6 +238,8 @@ def test_mismatched_cache_is_refused_naming_the_field(setup, tmp_path):
         make_dm(setup, feature_cache=bf16, max_length=200).setup("fit")
     with pytest.raises(FeatureCacheError, match=r"data\.enable_thinking"):
         make_dm(setup, feature_cache=bf16, enable_thinking=False).setup("fit")
+    with pytest.raises(FeatureCacheError, match=r"data\.min_supervised_tokens is 16 in the cache and 2 here"):
+        make_dm(setup, feature_cache=bf16, min_supervised_tokens=2).setup("fit")
     changed = write_conversations(tmp_path / "train.jsonl", 40, seed=5)
     with pytest.raises(FeatureCacheError, match=r"splits\.train\.files_sha256 .* made from \['.*train\.jsonl'\]"):
         make_dm(setup, feature_cache=bf16, train_files=[str(changed)]).setup("fit")

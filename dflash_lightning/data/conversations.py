@@ -315,8 +315,8 @@ class TokenizedSamples:
 
 
 def too_few_supervised(min_supervised: int) -> str:
-    """The drop reason of samples with too few supervised tokens to train one block."""
-    return f"fewer than {min_supervised} supervised tokens (2 * block_size)"
+    """The drop reason of samples with too few supervised tokens (`data.min_supervised_tokens`)."""
+    return f"fewer than {min_supervised} supervised tokens (min_supervised_tokens)"
 
 
 def tokenize_files(

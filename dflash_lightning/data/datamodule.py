@@ -140,7 +140,9 @@ class DFlashDataModule(LightningDataModule):
         token_budget: Tokens per packed row, T; every batch has exactly this many.
         max_documents: Most documents in one packed row, D (the length of `doc_lengths`).
         max_length: Conversations are truncated to this many tokens; None means token_budget.
-        block_size: Drafter block size; samples with fewer than 2 * block_size supervised tokens are dropped.
+        block_size: Drafter block size.
+        min_supervised_tokens: Samples with fewer supervised tokens are dropped; None: 2 * block_size (a full
+            block and its anchor), at least 2 (one anchor and the token after it).
         shuffle_buffer: Documents per best-fit-decreasing packing buffer.
         seed: Shuffling seed; epoch e packs with seed + e.
         num_workers: DataLoader worker processes that collate rows.
@@ -163,6 +165,7 @@ class DFlashDataModule(LightningDataModule):
         max_documents: int = 64,
         max_length: int | None = None,
         block_size: int = 16,
+        min_supervised_tokens: int | None = None,
         shuffle_buffer: int = 1024,
         seed: int = 0,
         num_workers: int = 0,
@@ -186,6 +189,8 @@ class DFlashDataModule(LightningDataModule):
             (max_documents >= 1, f"max_documents must be >= 1, got {max_documents}"),
             (max_length <= token_budget, f"max_length must be <= token_budget ({token_budget}), got {max_length}"),
             (max_length >= 2 * block_size, f"max_length must be >= 2 * block_size ({2 * block_size}) got {max_length}"),
+            (min_supervised_tokens is None or min_supervised_tokens >= 2,
+             f"min_supervised_tokens must be >= 2 or null, got {min_supervised_tokens}"),
             (shuffle_buffer >= 1, f"shuffle_buffer must be >= 1, got {shuffle_buffer}"),
             (num_workers >= 0, f"num_workers must be >= 0, got {num_workers}"),
             (on_bad_record in ("error", "skip"), f"on_bad_record must be error or skip, got {on_bad_record!r}"),
@@ -198,7 +203,7 @@ class DFlashDataModule(LightningDataModule):
         self.token_budget = token_budget
         self.max_documents = max_documents
         self.max_length = max_length
-        self.min_supervised = 2 * block_size  # an anchor p needs p and p+1 supervised; fewer cannot fill a block
+        self.min_supervised = min_supervised_tokens or 2 * block_size  # an anchor p needs p and p+1 supervised
         self._tokenizer: PreTrainedTokenizerBase | None = None
         self.train_samples: TokenizedSamples | None = None
         self.val_samples: TokenizedSamples | None = None
@@ -318,6 +323,7 @@ class DFlashDataModule(LightningDataModule):
             "chat_template": tok.chat_template,
             **{k: self.hparams[k] for k in ("format", "enable_thinking", "block_size", "on_bad_record")},
             "max_length": self.max_length,
+            "min_supervised_tokens": self.min_supervised,
         }
         digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
         return Path(self.hparams.cache_dir) / f"{split}-{digest}.pt"
