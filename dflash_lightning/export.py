@@ -18,7 +18,7 @@ from torch import Tensor
 
 from dflash_lightning.config import ConfigError, DrafterConfig, _rope_settings
 from dflash_lightning.model import DFlashDrafter
-from dflash_lightning.target import DTYPES, load_target_config, load_target_io
+from dflash_lightning.target import DTYPES, load_target_config, load_target_io, weight_map
 
 MODELING_FILE = Path(__file__).parent / "hf" / "modeling_dflash.py"
 # Fields a drafter folder's config.json must have; head_dim and attention_bias have Qwen3 defaults.
@@ -140,15 +140,8 @@ def import_folder(folder: str | Path) -> tuple[DrafterConfig, dict[str, Tensor]]
     if not config_file.exists():
         raise FileNotFoundError(f"{folder}: no config.json")
     cfg = config_from_hf(json.loads(config_file.read_text()))
-    index = folder / "model.safetensors.index.json"
-    if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (folder / "model.safetensors").exists():
-        files = ["model.safetensors"]
-    else:
-        raise FileNotFoundError(f"{folder}: no model.safetensors or model.safetensors.index.json")
     state: dict[str, Tensor] = {}
-    for name in files:
+    for name in sorted(set(weight_map(folder).values())):
         state.update(load_file(folder / name))
     check_state_dict(cfg, state, str(folder))
     return cfg, state

@@ -64,10 +64,10 @@ def load_target_io(path: str) -> tuple[Tensor, Tensor]:
     from safetensors import safe_open
 
     folder = resolve_model_dir(path)
-    weight_map = _weight_map(folder)
+    files = weight_map(folder)
 
     def find(suffix: str) -> str | None:
-        hits = sorted(k for k in weight_map if k.endswith(suffix) and "vision" not in k)
+        hits = sorted(k for k in files if k.endswith(suffix) and "vision" not in k)
         return hits[0] if hits else None
 
     embed_key, head_key = find("embed_tokens.weight"), find("lm_head.weight")
@@ -76,7 +76,7 @@ def load_target_io(path: str) -> tuple[Tensor, Tensor]:
     head_key = head_key or embed_key  # tied embeddings
 
     def read(key: str) -> Tensor:
-        with safe_open(folder / weight_map[key], "pt") as f:
+        with safe_open(folder / files[key], "pt") as f:
             return f.get_tensor(key)
 
     return read(embed_key), read(head_key)
@@ -192,17 +192,17 @@ def _sharded_model(folder: Path, config: Any, dtype: torch.dtype, attn_implement
     with torch.no_grad():
         for name, value in buffers.items():
             model.get_buffer(name).copy_(value)
-        weight_map = _weight_map(folder)
+        files = weight_map(folder)
         rank, world = mesh.get_local_rank(), mesh.size()
         for name, param in model.named_parameters():
-            key = _checkpoint_key(name, weight_map, folder)
+            key = _checkpoint_key(name, files, folder)
             local = param.to_local()
             rows = param.shape[0]
             chunk = -(-rows // world)  # FSDP2 shards dim 0 as torch.chunk does
             start, stop = min(rows, rank * chunk), min(rows, (rank + 1) * chunk)
             if local.shape[0] != stop - start:
                 raise RuntimeError(f"sharded target: unexpected shard of '{name}': {tuple(local.shape)}")
-            with safe_open(folder / weight_map[key], "pt") as f:
+            with safe_open(folder / files[key], "pt") as f:
                 tensor = f.get_slice(key)
                 if tuple(tensor.get_shape()) != tuple(param.shape):
                     raise ValueError(f"target: {folder}: tensor '{key}' has shape {tuple(tensor.get_shape())}, "
@@ -211,8 +211,8 @@ def _sharded_model(folder: Path, config: Any, dtype: torch.dtype, attn_implement
     return model.eval()
 
 
-def _weight_map(folder: Path) -> dict[str, str]:
-    """Checkpoint tensor name -> safetensors file name."""
+def weight_map(folder: Path) -> dict[str, str]:
+    """Tensor name -> safetensors file name of a Hugging Face folder (sharded with an index, or one file)."""
     from safetensors import safe_open
 
     index = folder / "model.safetensors.index.json"
@@ -220,14 +220,14 @@ def _weight_map(folder: Path) -> dict[str, str]:
         return json.loads(index.read_text())["weight_map"]
     single = folder / "model.safetensors"
     if not single.exists():
-        raise FileNotFoundError(f"target: no model.safetensors or index in {folder}")
+        raise FileNotFoundError(f"{folder}: no model.safetensors or model.safetensors.index.json")
     with safe_open(single, "pt") as f:
         return {k: single.name for k in f.keys()}  # noqa: SIM118
 
 
-def _checkpoint_key(name: str, weight_map: dict[str, str], folder: Path) -> str:
+def _checkpoint_key(name: str, files: dict[str, str], folder: Path) -> str:
     """The checkpoint tensor of a base-model parameter (`layers.0.mlp...` is `model.layers.0.mlp...`)."""
-    hits = [k for k in weight_map if k == name or k.endswith("." + name)]
+    hits = [k for k in files if k == name or k.endswith("." + name)]
     if len(hits) != 1:
         found = f"{len(hits)} tensors ({', '.join(hits[:3])})" if hits else "no tensor"
         raise KeyError(f"target: {folder} has {found} for parameter '{name}'; a sharded target reads weights by "

@@ -67,3 +67,19 @@ def test_sharded_placement_without_several_ranks_is_refused_naming_the_field(tin
     module = SimpleNamespace(drafter_config=SimpleNamespace(target_layer_ids=[1]))
     with pytest.raises(ValueError, match="target.placement 'sharded' needs a distributed strategy"):
         TargetFeatures(str(tiny_target), "float32", "sharded").setup(trainer, module, "fit")
+
+
+def test_weight_map_reads_an_index_or_one_file_and_names_a_folder_without_weights(tiny_target, tmp_path):
+    import json
+
+    from safetensors.torch import save_file
+
+    from dflash_lightning.target import weight_map
+
+    one = weight_map(tiny_target)
+    assert set(one.values()) == {"model.safetensors"} and "lm_head.weight" in one
+    save_file({"a": torch.zeros(1)}, tmp_path / "part-1.safetensors")
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "part-1.safetensors"}}))
+    assert weight_map(tmp_path) == {"a": "part-1.safetensors"}
+    with pytest.raises(FileNotFoundError, match=r"empty: no model\.safetensors or model\.safetensors\.index\.json"):
+        weight_map(tmp_path / "empty")
