@@ -31,18 +31,11 @@ from pathlib import Path
 
 import torch
 
+from dflash_lightning.atomic import write_json
 from dflash_lightning.data import DFlashDataModule
 from dflash_lightning.data.conversations import resolve_files, tokenize_files
-from dflash_lightning.features_cache import (
-    MANIFEST,
-    VERSION,
-    data_header,
-    dequantize,
-    plan_shards,
-    quantize_fp8,
-    write_json,
-    write_shard,
-)
+from dflash_lightning.data.feature_cache import MANIFEST, VERSION, data_header, dequantize, quantize_fp8
+from dflash_lightning.data.feature_cache_writer import plan_shards, write_shard
 
 QWEN3_8B_FEATURE_DIM = 5 * 4096  # K * H of the recipe
 GPU_STEP_S = 0.15065608919999987  # compiled drafter step at 8192 tokens, 512 anchors (h200-2026-11-29.json)

@@ -1,62 +1,26 @@
-"""Command line: `python -m dflash_lightning fit|validate|export|evaluate ...`.
+"""Command line: `python -m dflash_lightning fit|validate|cache|export|evaluate|regenerate ...`.
 
-fit and validate are LightningCLI; values that data, model and target must share are typed once and
-linked: the target path, the token budget and the block size.
+Each command is a `main(argv)` in `dflash_lightning/commands/`; this file only picks one.
 """
 
 from __future__ import annotations
 
 import sys
 
-import torch
-from lightning.pytorch.cli import LightningCLI
-
-from dflash_lightning.data import DFlashDataModule
-from dflash_lightning.module import DFlashModule
-from dflash_lightning.target import TargetFeatures
-from dflash_lightning.validation import SpeculativeValidation
-
-
-class DFlashCLI(LightningCLI):
-    """LightningCLI with a `target` section (the TargetFeatures callback) and the DFlash links."""
-
-    @staticmethod
-    def subcommands() -> dict[str, set[str]]:
-        """Only the Trainer entry points that mean something for a drafter."""
-        return {"fit": {"model", "train_dataloaders", "val_dataloaders", "datamodule"},
-                "validate": {"model", "dataloaders", "datamodule"}}
-
-    def add_arguments_to_parser(self, parser) -> None:
-        parser.add_lightning_class_args(TargetFeatures, "target")
-        parser.add_lightning_class_args(SpeculativeValidation, "spec_eval")
-        parser.link_arguments("target.path", "model.target")
-        parser.link_arguments("target.path", "spec_eval.target")
-        parser.link_arguments("target.dtype", "spec_eval.dtype")
-        parser.link_arguments("target.path", "data.tokenizer")
-        parser.link_arguments("data.token_budget", "model.token_budget")
-        parser.link_arguments("model.drafter.block_size", "data.block_size")
-
+from dflash_lightning.commands import cache, evaluate, export, fit, regenerate
+from dflash_lightning.commands.fit import DFlashCLI
 
 # Commands that are not Trainer methods: name -> module with a `main(argv)`.
-TOOLS = {"export": "dflash_lightning.export", "evaluate": "dflash_lightning.evaluate"}
-TOOLS["regenerate"] = "dflash_lightning.regenerate"
-TOOLS["cache"] = "dflash_lightning.features_cache"
+TOOLS = {"cache": cache, "export": export, "evaluate": evaluate, "regenerate": regenerate}
 
 
 def cli_main(args: list[str] | None = None, run: bool = True) -> DFlashCLI | None:
-    """Entry point of `python -m dflash_lightning`; `run=False` only parses and instantiates."""
+    """Entry point of `python -m dflash_lightning`; `run=False` only parses and instantiates fit/validate."""
     argv = sys.argv[1:] if args is None else args
     if argv and argv[0] in TOOLS:
-        import importlib
-
-        importlib.import_module(TOOLS[argv[0]]).main(argv[1:])
+        TOOLS[argv[0]].main(argv[1:])
         return None
-    torch.set_float32_matmul_precision("high")
-    return DFlashCLI(
-        DFlashModule,
-        DFlashDataModule,
-        args=argv,
-        run=run,
-        save_config_kwargs={"overwrite": True},
-        auto_configure_optimizers=False,
-    )
+    return fit.main(argv, run=run)
+
+
+__all__ = ["DFlashCLI", "cli_main"]

@@ -247,13 +247,6 @@ def evaluate_drafter(
     return report
 
 
-def main(argv: list[str] | None = None) -> None:
-    """`python -m dflash_lightning evaluate --drafter X --prompts prompts.jsonl [--target T]`."""
-    from jsonargparse import auto_cli
-
-    auto_cli(evaluate_drafter, args=argv)
-
-
 def _progress(enabled: bool):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 

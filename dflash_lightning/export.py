@@ -195,13 +195,6 @@ def export(*, checkpoint: str, out: str, dtype: Literal["bfloat16", "float16", "
     return folder
 
 
-def main(argv: list[str] | None = None) -> None:
-    """`python -m dflash_lightning export --checkpoint X.ckpt --out folder`."""
-    from jsonargparse import auto_cli
-
-    auto_cli(export, args=argv)
-
-
 __all__ = [
     "build_drafter", "check_state_dict", "export_checkpoint", "hf_config", "import_folder", "load_drafter",
     "read_checkpoint", "read_drafter", "write_folder",

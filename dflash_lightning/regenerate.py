@@ -10,7 +10,7 @@ import json
 import logging
 import os
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -280,13 +280,6 @@ def regenerate(
     summary = ", ".join(f"{n:,} {what}" for what, n in sorted(counts.items()))
     print(f"regenerated source records {start:,}..{end - 1:,} into {out_path}: {summary or 'nothing to do'}")
     return out_path
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    """`python -m dflash_lightning regenerate --input_files ... --out ... --target ...` (or `--config x.yaml`)."""
-    from jsonargparse import auto_cli
-
-    auto_cli(regenerate, args=None if argv is None else list(argv))
 
 
 __all__ = ["conversation", "regenerate", "regenerate_batch", "resume_point"]

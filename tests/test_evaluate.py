@@ -9,8 +9,9 @@ import torch
 from test_export import make_checkpoint
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from dflash_lightning.commands.evaluate import main
 from dflash_lightning.config import DrafterConfig
-from dflash_lightning.evaluate import evaluate, first_mismatch, main, prompt_ids, summarize
+from dflash_lightning.evaluate import evaluate, first_mismatch, prompt_ids, summarize
 from dflash_lightning.export import export_checkpoint
 from dflash_lightning.model import DFlashDrafter
 

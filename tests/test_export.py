@@ -11,8 +11,9 @@ from helpers import packed_batch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModel, AutoModelForCausalLM
 
+from dflash_lightning.commands.export import main
 from dflash_lightning.config import ConfigError, DrafterConfig
-from dflash_lightning.export import export_checkpoint, import_folder, load_drafter, main, write_folder
+from dflash_lightning.export import export_checkpoint, import_folder, load_drafter, write_folder
 from dflash_lightning.model import DFlashDrafter
 from dflash_lightning.speculative import target_generate
 from dflash_lightning.target import load_target_io

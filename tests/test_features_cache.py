@@ -15,11 +15,12 @@ from conftest import make_target
 from lightning.pytorch import Callback, Trainer, seed_everything
 from test_cli import CONFIGS, write_conversations
 
-import dflash_lightning.features_cache as fc
+import dflash_lightning.data.feature_cache as fc
+import dflash_lightning.data.feature_cache_writer as fcw
 from dflash_lightning.cli import cli_main
 from dflash_lightning.config import DrafterConfig
 from dflash_lightning.data import DFlashDataModule
-from dflash_lightning.features_cache import FeatureCache, FeatureCacheError, dequantize, quantize_fp8
+from dflash_lightning.data.feature_cache import FeatureCache, FeatureCacheError, dequantize, quantize_fp8
 from dflash_lightning.module import DFlashModule
 from dflash_lightning.target import FeatureExtractor, TargetFeatures
 
@@ -67,7 +68,7 @@ def shard_tensors(folder: Path) -> dict[str, dict[str, torch.Tensor]]:
 def online_rows(s: dict, cache: FeatureCache, split: str, samples) -> list[tuple[list[int], torch.Tensor]]:
     """The target's float32 features of the rows the cache command ran: (documents, features [tokens, K*H])."""
     extractor = FeatureExtractor.from_pretrained(s["target"], LAYER_IDS, torch.float32)
-    rows = fc._ForwardRows(cache.manifest["splits"][split]["shards"], {split: samples}, 256)
+    rows = fcw._ForwardRows(cache.manifest["splits"][split]["shards"], {split: samples}, 256)
     out = []
     for k in range(len(rows)):
         row = rows[k]
@@ -200,7 +201,7 @@ def test_fit_from_cache_through_the_cli(setup, tmp_path, caplog):
 
 def test_interrupted_cache_run_resumes(setup, tmp_path, monkeypatch):
     out = tmp_path / "cache"
-    real, calls = fc.write_shard, []
+    real, calls = fcw.write_shard, []
 
     def failing(path, tensors, metadata):
         if len(calls) == 2:
@@ -210,15 +211,15 @@ def test_interrupted_cache_run_resumes(setup, tmp_path, monkeypatch):
         calls.append(path.name)
         return real(path, tensors, metadata)
 
-    monkeypatch.setattr(fc, "write_shard", failing)
+    monkeypatch.setattr(fcw, "write_shard", failing)
     with pytest.raises((KeyboardInterrupt, SystemExit)):
         cache_cli(setup, out)
     with pytest.raises(FeatureCacheError, match=r"incomplete \(0 of 7 shards\)"):
         FeatureCache(out)  # the manifest is updated from the progress file on the next run
     kept = {name: (out / name).stat().st_mtime_ns for name in calls}
-    monkeypatch.setattr(fc, "write_shard", real)
+    monkeypatch.setattr(fcw, "write_shard", real)
     written = []
-    monkeypatch.setattr(fc, "write_shard", lambda p, t, m: written.append(p.name) or real(p, t, m))
+    monkeypatch.setattr(fcw, "write_shard", lambda p, t, m: written.append(p.name) or real(p, t, m))
     cache_cli(setup, out)
     assert sorted(written + calls) == sorted(p.name for p in (setup["root"] / "bf16").glob("*.safetensors"))
     assert {name: (out / name).stat().st_mtime_ns for name in calls} == kept  # finished shards are not redone
@@ -312,7 +313,7 @@ def test_few_mapped_shards_serve_the_same_batches(setup, monkeypatch):
 def test_two_ranks_write_the_same_cache(setup, tmp_path):
     """Lightning's DDP on the CPU (gloo): rank 0 plans, each rank writes its shards, rank 0 merges the manifest."""
     dm = make_dm(setup)
-    manifest = fc.write_cache(dm, setup["target"], LAYER_IDS, 32, tmp_path / "ddp", "bf16", "float32",
+    manifest = fcw.write_cache(dm, setup["target"], LAYER_IDS, 32, tmp_path / "ddp", "bf16", "float32",
                               shard_bytes=int(float(SHARD_GB) * 1e9),
                               trainer_kwargs={"accelerator": "cpu", "devices": 2, "strategy": "ddp_fork"})
     assert manifest["complete"]

@@ -1,6 +1,6 @@
 """`DFlashDataModule`: conversation files -> tokenized samples (in `setup`) -> one packed fixed-shape row
 per batch, repacked every epoch, resumable mid-epoch through `state_dict`; with `feature_cache`, every batch
-also carries the target's context features read from a cache (features_cache.py) instead of the target.
+also carries the target's context features read from a cache (feature_cache.py) instead of the target.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from dflash_lightning.data.conversations import (
     resolve_files,
     tokenize_files,
 )
+from dflash_lightning.data.feature_cache import FeatureCache, SplitFeatures, data_header, dequantize, target_header
 from dflash_lightning.data.packing import (
     EpochPacker,
     PackedBatch,
@@ -39,7 +40,6 @@ from dflash_lightning.data.packing import (
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from dflash_lightning.features_cache import SplitFeatures
 
 log = logging.getLogger(__name__)
 
@@ -267,7 +267,6 @@ class DFlashDataModule(LightningDataModule):
 
     def _open_feature_cache(self, splits: list[str]) -> None:
         """Checks the cache against this data (and the trainer's drafter, if any) and opens its splits."""
-        from dflash_lightning.features_cache import FeatureCache, data_header, target_header
         if not splits:
             return
         cache = FeatureCache(self.hparams.feature_cache)
@@ -286,8 +285,6 @@ class DFlashDataModule(LightningDataModule):
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """fp8 cached features are dequantised here, on the device: half the bytes cross the host link."""
         if isinstance(batch, dict) and "context_features_fp8" in batch:
-            from dflash_lightning.features_cache import dequantize
-
             batch["context_features"] = dequantize(batch.pop("context_features_fp8"), batch.pop("context_scales"))
         return batch
 

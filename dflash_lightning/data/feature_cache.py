@@ -1,0 +1,280 @@
+"""The feature cache's format and reader: the target's context features (DFLASH.md section 1) stored per sample
+in sharded safetensors with a manifest of everything they depend on, read back by `DFlashDataModule`.
+
+The writer is `feature_cache_writer.py` (`python -m dflash_lightning cache`).
+
+Layout of `out/`:
+    manifest.json             settings and fingerprints (see `cache_header`), shard plan, completed shards
+    {split}-{i:05d}.safetensors   samples [first, end) of a split, laid end to end:
+        features   [tokens, K*H] bf16, or float8_e4m3fn with `scales` [tokens] fp32 (row absmax / 448)
+        input_ids  [tokens] int32;  loss_mask [tokens] bool;  starts [samples + 1] int64 (offsets in the shard)
+    progress-rank{r}.json     shards a rank finished while the run is in progress (merged at the end)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import warnings
+from bisect import bisect_right
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from torch import Tensor
+
+from dflash_lightning.fingerprints import sha256_path, target_fingerprint, tokenizer_sha256
+
+if TYPE_CHECKING:
+    from lightning.pytorch import LightningDataModule
+
+    from dflash_lightning.data.conversations import TokenizedSamples
+
+VERSION = 1
+MANIFEST = "manifest.json"
+FeatureFormat = Literal["bf16", "fp8"]
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+STORED = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F8_E4M3": torch.float8_e4m3fn, "F32": torch.float32,
+                      "I32": torch.int32, "I64": torch.int64, "BOOL": torch.bool}
+MAX_OPEN_SHARDS = 64  # per process: each mapped shard holds a file descriptor, and a cache can have thousands
+
+
+class FeatureCacheError(ValueError):
+    """A feature cache that does not match the run, or a damaged one; the message names the field or shard."""
+
+
+
+
+def samples_sha256(samples: TokenizedSamples) -> str:
+    """Hash of the tokenized samples exactly as they are packed (ids, loss mask, document boundaries)."""
+    digest = hashlib.sha256()
+    for t in (samples.input_ids.to(torch.int32), samples.loss_mask.to(torch.uint8), samples.starts.to(torch.int64)):
+        digest.update(t.contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def data_header(dm: LightningDataModule, splits: dict[str, tuple[list[Path], TokenizedSamples]]) -> dict[str, Any]:
+    """The manifest fields that the data module (a `DFlashDataModule`) decides: tokenizer, template, files, samples."""
+    hp = dm.hparams
+    return {
+        "tokenizer": {"path": str(hp.tokenizer), "sha256": tokenizer_sha256(hp.tokenizer)},
+        "data": {"format": hp.format, "enable_thinking": hp.enable_thinking, "max_length": dm.max_length,
+                 "block_size": hp.block_size, "min_supervised_tokens": dm.min_supervised,
+                 "on_bad_record": hp.on_bad_record},
+        "splits": {
+            split: {"files": [str(p) for p in paths], "files_sha256": [sha256_path(p) for p in paths],
+                    "num_samples": len(samples), "num_tokens": int(samples.input_ids.numel()),
+                    "samples_sha256": samples_sha256(samples)}
+            for split, (paths, samples) in splits.items()
+        },
+    }
+
+
+def target_header(path: str, layer_ids: Sequence[int], hidden_size: int) -> dict[str, Any]:
+    """The manifest fields that the target and the drafter's layer choice decide."""
+    return {"target": {"path": str(path), **target_fingerprint(path), "layer_ids": list(layer_ids),
+                       "hidden_size": int(hidden_size)}}
+
+
+# Fields a reader compares (dotted paths; `*` is every split of the run). Paths and sizes are informational.
+COMPARED = (
+    "version", "target.config_sha256", "target.weights_sha256", "target.layer_ids", "target.hidden_size",
+    "tokenizer.sha256", "data.format", "data.enable_thinking", "data.max_length", "data.block_size",
+    "data.min_supervised_tokens", "data.on_bad_record", "splits.*.files_sha256", "splits.*.num_samples",
+    "splits.*.samples_sha256",
+)
+# ... and a resumed cache run also these, which decide the shards already written.
+WRITER_COMPARED = ("feature_format", "target.dtype", "writing.shard_bytes", "writing.forward_tokens")
+
+
+def _get(tree: dict[str, Any], dotted: str) -> Any:
+    for key in dotted.split("."):
+        if not isinstance(tree, dict) or key not in tree:
+            return KeyError
+        tree = tree[key]
+    return tree
+
+
+def compare_headers(cache: Path, found: dict[str, Any], expected: dict[str, Any], fields: Sequence[str]) -> None:
+    """Raise naming the first field of `fields` present in `expected` whose value the cache does not share."""
+    for pattern in fields:
+        names = [pattern]
+        if "*" in pattern:
+            names = [pattern.replace("*", s) for s in expected.get("splits", {})]
+        for name in names:
+            want = _get(expected, name)
+            if want is KeyError:
+                continue  # not known to this reader (e.g. the target, when reading without a model)
+            have = _get(found, name)
+            if have != want:
+                hint = ""
+                if name.endswith("files_sha256"):
+                    split = name.split(".")[1]
+                    hint = (f"; the cache was made from {_get(found, f'splits.{split}.files')}, this run reads "
+                            f"{_get(expected, f'splits.{split}.files')}")
+                if have is KeyError:
+                    have = "missing"
+                raise FeatureCacheError(
+                    f"feature cache {cache} does not match this run: {name} is {have!r} in the cache and {want!r} "
+                    f"here{hint}. Make a new cache for these settings (python -m dflash_lightning cache)"
+                )
+
+
+# ------------------------------------------------------------------------------------------------ fp8
+
+
+def quantize_fp8(x: Tensor) -> tuple[Tensor, Tensor]:
+    """Rowwise float8_e4m3fn with a float32 scale per row (absmax / 448); all-zero rows get scale 1."""
+    x = x.float()
+    scales = x.abs().amax(dim=-1) / FP8_MAX  # [rows]
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    return (x / scales[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scales
+
+
+def dequantize(values: Tensor, scales: Tensor) -> Tensor:
+    """float32 features from rowwise fp8 values `[rows, D]` and their scales `[rows]`."""
+    return values.float() * scales[:, None]
+
+
+
+
+class Shard:
+    """A memory-mapped shard: its tensors are views of the file (no read until they are sliced and copied)."""
+
+    def __init__(self, path: Path, expected_bytes: int) -> None:
+        if not path.exists():
+            raise FeatureCacheError(f"feature cache shard {path} is missing")
+        size = path.stat().st_size
+        if size != expected_bytes:
+            raise FeatureCacheError(f"feature cache shard {path} has {size} bytes, the manifest records "
+                                    f"{expected_bytes}: it is truncated or was rewritten")
+        with path.open("rb") as f:
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        try:
+            n = int.from_bytes(self._map[:8], "little")
+            header = json.loads(self._map[8 : 8 + n])
+            header.pop("__metadata__", None)
+            with warnings.catch_warnings():  # read-only map: the views are only ever read
+                warnings.simplefilter("ignore", UserWarning)
+                data = torch.frombuffer(self._map, dtype=torch.uint8)
+            self.tensors: dict[str, Tensor] = {}
+            for name, info in header.items():
+                begin, end = (8 + n + o for o in info["data_offsets"])
+                if end > size:
+                    raise ValueError(f"tensor '{name}' ends at byte {end}, past the file's end")
+                raw = data[begin:end]
+                dtype = SAFETENSORS_DTYPES[info["dtype"]]
+                if begin % dtype.itemsize:  # safetensors aligns by sorting; copy if a writer did not
+                    raw = raw.clone()
+                self.tensors[name] = raw.view(dtype).view(info["shape"])
+        except (ValueError, KeyError, TypeError, RuntimeError) as err:
+            raise FeatureCacheError(f"feature cache shard {path} is corrupt: unreadable safetensors header "
+                                    f"({type(err).__name__}: {err})") from err
+
+
+class SplitFeatures:
+    """The context features of one split's samples, gathered into packed rows."""
+
+    def __init__(self, folder: Path, shards: list[dict[str, Any]], feature_format: FeatureFormat,
+                 feature_dim: int) -> None:
+        self.folder, self.shards = folder, shards
+        self.feature_format, self.feature_dim = feature_format, feature_dim
+        self.firsts = [s["first"] for s in shards]
+        self._open: OrderedDict[int, Shard] = OrderedDict()  # least recently used first
+
+    def __getstate__(self) -> dict[str, Any]:  # DataLoader workers map the shards themselves
+        return {**self.__dict__, "_open": OrderedDict()}
+
+    def shard(self, k: int) -> Shard:
+        """Shard k, mapped on first use (size and header checked then); at most MAX_OPEN_SHARDS stay mapped."""
+        if k in self._open:
+            self._open.move_to_end(k)
+        else:
+            if len(self._open) >= MAX_OPEN_SHARDS:
+                self._open.popitem(last=False)
+            self._open[k] = Shard(self.folder / self.shards[k]["file"], self.shards[k]["bytes"])
+        return self._open[k]
+
+    def document(self, i: int) -> dict[str, Tensor]:
+        """Views of sample i's stored tensors: features [n, K*H] (+ scales [n]), input_ids, loss_mask."""
+        k = bisect_right(self.firsts, i) - 1
+        shard = self.shard(k).tensors
+        starts = shard["starts"]
+        a, b = int(starts[i - self.firsts[k]]), int(starts[i - self.firsts[k] + 1])
+        names = ("features", "scales", "input_ids", "loss_mask") if self.feature_format == "fp8" else (
+            "features", "input_ids", "loss_mask")
+        return {name: shard[name][a:b] for name in names}
+
+    def packed(self, row: Sequence[int], token_budget: int) -> dict[str, Tensor]:
+        """Features of the documents of a packed row, laid out as `collate_documents` lays out their tokens.
+
+        bf16: `context_features` [T, K*H]; fp8: `context_features_fp8` [T, K*H] and `context_scales` [T],
+        dequantised on the device by `DFlashDataModule.on_after_batch_transfer`. Padding rows are zero.
+        """
+        values = torch.empty(token_budget, self.feature_dim, dtype=STORED[self.feature_format])
+        scales = torch.empty(token_budget, dtype=torch.float32) if self.feature_format == "fp8" else None
+        start = 0
+        for i in row:
+            doc = self.document(i)
+            end = start + doc["features"].shape[0]
+            values[start:end] = doc["features"]
+            if scales is not None:
+                scales[start:end] = doc["scales"]
+            start = end
+        values[start:].view(torch.uint8).zero_()  # fp8 has no zero_ kernel; zero bytes are 0.0 in both formats
+        if scales is None:
+            return {"context_features": values}
+        scales[start:] = 0.0
+        return {"context_features_fp8": values, "context_scales": scales}
+
+
+class FeatureCache:
+    """A finished feature cache folder: its manifest, checks against a run, and readers per split."""
+
+    def __init__(self, folder: str | Path) -> None:
+        self.folder = Path(folder)
+        path = self.folder / MANIFEST
+        if not path.exists():
+            raise FeatureCacheError(f"feature cache {self.folder}: no {MANIFEST} (make one with "
+                                    "python -m dflash_lightning cache --config ... --out ...)")
+        self.manifest: dict[str, Any] = json.loads(path.read_text())
+        if not self.manifest.get("complete"):
+            done = sum(s["sha256"] is not None for sp in self.manifest["splits"].values() for s in sp["shards"])
+            total = sum(len(sp["shards"]) for sp in self.manifest["splits"].values())
+            raise FeatureCacheError(f"feature cache {self.folder} is incomplete ({done} of {total} shards): run "
+                                    "python -m dflash_lightning cache again with the same arguments to finish it")
+
+    @property
+    def feature_format(self) -> FeatureFormat:
+        return self.manifest["feature_format"]
+
+    def check(self, expected: dict[str, Any]) -> None:
+        """Raise `FeatureCacheError` naming the first compared field where the cache differs from `expected`."""
+        compare_headers(self.folder, self.manifest, {"version": VERSION, **expected}, COMPARED)
+        for split in expected.get("splits", {}):
+            if split not in self.manifest["splits"]:
+                raise FeatureCacheError(f"feature cache {self.folder} has no '{split}' split "
+                                        f"(it has {sorted(self.manifest['splits'])})")
+
+    def split(self, name: str) -> SplitFeatures:
+        """The reader of one split; every shard's size and header are checked now."""
+        shards = self.manifest["splits"][name]["shards"]
+        reader = SplitFeatures(self.folder, shards, self.feature_format, self.manifest["feature_dim"])
+        for k in range(len(shards)):
+            reader.shard(k)
+        reader._open.clear()  # checked; workers map them again
+        return reader
+
+    def verify(self) -> None:
+        """Recompute every shard's sha256 against the manifest (reads the whole cache)."""
+        for split in self.manifest["splits"].values():
+            for shard in split["shards"]:
+                path = self.folder / shard["file"]
+                Shard(path, shard["bytes"])
+                if sha256_path(path) != shard["sha256"]:
+                    raise FeatureCacheError(f"feature cache shard {path} is corrupt: its sha256 differs from "
+                                            "the manifest's")

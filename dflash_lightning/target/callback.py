@@ -1,0 +1,108 @@
+"""The `TargetFeatures` callback: owns the frozen target in its placement and adds features to each batch.
+
+The target never enters the LightningModule or its checkpoint.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch import Tensor
+
+from dflash_lightning.target.features import FeatureExtractor
+from dflash_lightning.target.loading import DTYPES
+from dflash_lightning.target.separate import FeaturePrefetcher, rank_devices
+from dflash_lightning.target.sharded import node_mesh
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+
+class TargetFeatures(Callback):
+    """Owns the frozen target and puts each batch's context features into it before the step."""
+
+    def __init__(
+        self,
+        path: str,
+        dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16",
+        placement: Literal["colocated", "separate", "sharded"] = "colocated",
+        target_devices: list[str] | None = None,
+        prefetch: int = 2,
+        attn_implementation: str = "sdpa",
+    ) -> None:
+        """
+        Args:
+            path: Hugging Face model folder or hub id of the target.
+            dtype: Dtype the target runs in.
+            placement: `colocated`: the target runs on the trainer's own device, features never leave it;
+                `separate`: copies of the target on `target_devices` compute features ahead in threads;
+                `sharded`: one target sharded over the node's trainer GPUs (for a target too large for one),
+                each rank running its own batch through it.
+            target_devices: Devices of the target copies for `separate` (e.g. [cuda:2, cuda:3]); with several
+                trainer devices per node they are dealt out among the node's ranks (see `rank_devices`).
+            prefetch: Batches each separate target may compute ahead of the trainer (a bounded queue).
+            attn_implementation: transformers attention backend of the target (sdpa, eager, flex_attention).
+        """
+        if placement == "separate" and not target_devices:
+            raise ValueError("target.target_devices: name the devices of the target for placement 'separate'")
+        if prefetch < 1:
+            raise ValueError(f"target.prefetch must be >= 1, got {prefetch}")
+        self.path, self.dtype, self.placement, self.attn_implementation = path, dtype, placement, attn_implementation
+        self.target_devices, self.prefetch = list(target_devices or []), prefetch
+        self.extractor: FeatureExtractor | None = None
+        self.extractors: list[FeatureExtractor] = []
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self.extractor is not None or self.extractors:
+            return
+        if getattr(trainer.datamodule, "hparams", {}).get("feature_cache"):
+            return  # the data module serves cached context features; no target is needed
+        layer_ids = pl_module.drafter_config.target_layer_ids
+
+        if self.placement == "colocated":
+            self.extractor = self.load_extractor(trainer.strategy.root_device, layer_ids)
+            return
+        if self.placement == "sharded":
+            self.extractor = self.load_extractor(trainer.strategy.root_device, layer_ids, node_mesh(trainer))
+            return
+        devices = rank_devices(self.target_devices, trainer.local_rank, trainer.num_devices)
+        self.extractors = [self.load_extractor(d, layer_ids) for d in devices]
+        datamodule, device = trainer.datamodule, trainer.strategy.root_device
+        for name in ("train_dataloader", "val_dataloader"):
+            if not is_overridden(name, datamodule):  # a data module without validation keeps it that way
+                continue
+            make = getattr(datamodule, name)
+            setattr(datamodule, name, lambda make=make: self.prefetched(make(), device))
+
+    def load_extractor(
+        self, device: torch.device | str, layer_ids: list[int], mesh: DeviceMesh | None = None
+    ) -> FeatureExtractor:
+        """The target's feature extractor on `device` (sharded over `mesh` when given)."""
+        return FeatureExtractor.from_pretrained(
+            self.path, layer_ids, DTYPES[self.dtype], device, self.attn_implementation, mesh
+        )
+
+    def prefetched(self, loader: Any, device: torch.device) -> Any:
+        """`loader` with features computed ahead by the separate targets (empty loaders pass through)."""
+        if isinstance(loader, (list, tuple)) and not loader:
+            return loader
+        return FeaturePrefetcher(loader, self.extractors, device, self.prefetch)
+
+    def add_features(self, batch: dict[str, Tensor]) -> None:
+        """Write `context_features [T, K*H]` into the batch unless a separate target already did."""
+        if "context_features" in batch:
+            return
+        if self.extractor is None:
+            raise RuntimeError("TargetFeatures: a batch arrived without features and no target is on this device")
+        batch["context_features"] = self.extractor(batch["input_ids"], batch["position_ids"])
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self.add_features(batch)
+
+    def on_validation_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        self.add_features(batch)

@@ -1,0 +1,103 @@
+"""Target feature extraction (DFLASH.md section 1): the truncated frozen target that returns context features.
+
+Only the target's first `max(layer_ids) + 1` decoder layers are built and run; no LM head is built.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from dflash_lightning.target.loading import decoder_layers, resolve_model_dir
+from dflash_lightning.target.sharded import sharded_model
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+
+class FeatureExtractor(nn.Module):
+    """A truncated frozen target that returns the concatenated outputs of its `layer_ids`."""
+
+    def __init__(self, model: nn.Module, layer_ids: list[int], num_target_layers: int) -> None:
+        super().__init__()
+        self.model, self.layer_ids = model, list(layer_ids)
+        self._captured: dict[int, Tensor] = {}
+        layers = decoder_layers(model)
+        # hidden_states[L] in HF numbering is normed: the last layer's feature is the final norm's output.
+        last, norm = num_target_layers - 1, getattr(model, "norm", None)
+        for j in sorted(set(self.layer_ids)):
+            source = norm if j == last and norm is not None else layers[j]
+            source.register_forward_hook(self._capture(j))
+        self.requires_grad_(False).eval()
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str, layer_ids: list[int], dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str = "cpu", attn_implementation: str = "sdpa", mesh: DeviceMesh | None = None,
+    ) -> FeatureExtractor:
+        """Load only the decoder layers the features need (no LM head).
+
+        With `mesh`, the target is sharded across the mesh's ranks (FSDP2): each rank reads only its rows
+        of every weight and holds 1/N of the target; a forward gathers one layer's weights at a time.
+        """
+        from transformers import AutoConfig, AutoModel
+        from transformers.utils import logging as hf_logging
+
+        folder = resolve_model_dir(path)
+        config = AutoConfig.from_pretrained(folder)
+        text = getattr(config, "text_config", None) or config
+        total = text.num_hidden_layers
+        keep = max(layer_ids) + 1
+        truncated = copy.deepcopy(config)
+        t_text = getattr(truncated, "text_config", None) or truncated
+        t_text.num_hidden_layers = keep
+        if isinstance(getattr(t_text, "layer_types", None), list):
+            t_text.layer_types = t_text.layer_types[:keep]
+        if mesh is not None:
+            model = sharded_model(folder, truncated, dtype, attn_implementation, mesh, torch.device(device))
+            return cls(getattr(model, "language_model", model), layer_ids, total)
+        level = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()  # the skipped layers and head are expected, not worth a warning
+        try:
+            model = AutoModel.from_pretrained(
+                folder, config=truncated, dtype=dtype, attn_implementation=attn_implementation
+            )
+        finally:
+            hf_logging.set_verbosity(level)
+        model = getattr(model, "language_model", model)
+        return cls(model, layer_ids, total).to(device)
+
+    def _capture(self, j: int):
+        def hook(_module: nn.Module, _args: Any, output: Any) -> None:
+            self._captured[j] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    @torch.no_grad()
+    def forward(self, input_ids: Tensor, position_ids: Tensor) -> Tensor:
+        """Context features of a packed row `[T]`: per-document causal attention.  # [T, K*H]"""
+        # Positions restarting at 0 mark document starts. For SDPA the per-document causal mask is built
+        # here, on the device; left to transformers, finding the documents costs a host sync per forward.
+        self._captured.clear()
+        mask = None
+        if getattr(self.model.config, "_attn_implementation", None) == "sdpa":
+            mask = packed_causal_mask(position_ids)[None, None]  # [1, 1, T, T], True = attend
+        self.model(input_ids=input_ids[None], position_ids=position_ids[None], attention_mask=mask, use_cache=False)
+        if hasattr(self.model, "reshard"):  # a sharded target: free the gathered root weights too
+            self.model.reshard()
+        outs = [self._captured[j][0] for j in self.layer_ids]
+        self._captured.clear()
+        return torch.cat(outs, dim=-1)
+
+
+
+def packed_causal_mask(position_ids: Tensor) -> Tensor:
+    """Causal attention within each document of a packed row whose positions restart at 0.  # [T, T] bool"""
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[1:] = position_ids[1:] != position_ids[:-1] + 1
+    doc = starts.cumsum(0)
+    index = torch.arange(position_ids.numel(), device=position_ids.device)
+    return (doc[:, None] == doc[None, :]) & (index[:, None] >= index[None, :])

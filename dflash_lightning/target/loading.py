@@ -1,0 +1,97 @@
+"""Loading the frozen target: its folder, config, tokenizer ids, embedding and head, and weight index.
+
+Everything here reads the target's files; nothing runs it (feature extraction is in `features.py`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_model_dir(path: str) -> Path:
+    """A local model folder as is, or a hub id resolved through the local Hugging Face cache."""
+    local = Path(path).expanduser()
+    if local.is_dir():
+        return local
+    if local.exists() or path.startswith((".", "/", "~")) or path.count("/") != 1:
+        raise FileNotFoundError(f"target: no model folder at '{path}'")
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]))
+
+
+def load_target_config(path: str) -> Any:
+    """The target's Hugging Face config (its text config for multimodal targets)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(resolve_model_dir(path))
+    return getattr(config, "text_config", None) or config
+
+
+def tokenizer_ids(path: str) -> tuple[int | None, list[int]]:
+    """(number of token ids the tokenizer knows, ids of its reserved, never-emitted special tokens).
+
+    (None, []) for a folder without a tokenizer: then the mask id must be given explicitly.
+    """
+    from transformers import AutoTokenizer
+
+    folder = resolve_model_dir(path)
+    if not any((folder / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None, []
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    reserved = sorted(i for i, t in tokenizer.added_tokens_decoder.items() if "reserved" in str(t.content))
+    return len(tokenizer), reserved
+
+
+def load_target_io(path: str) -> tuple[Tensor, Tensor]:
+    """The target's input embedding and LM head weights `[V, H]`, read alone from its safetensors."""
+    from safetensors import safe_open
+
+    folder = resolve_model_dir(path)
+    files = weight_map(folder)
+
+    def find(suffix: str) -> str | None:
+        hits = sorted(k for k in files if k.endswith(suffix) and "vision" not in k)
+        return hits[0] if hits else None
+
+    embed_key, head_key = find("embed_tokens.weight"), find("lm_head.weight")
+    if embed_key is None:
+        raise KeyError(f"target: no '*embed_tokens.weight' tensor in {folder}")
+    head_key = head_key or embed_key  # tied embeddings
+
+    def read(key: str) -> Tensor:
+        with safe_open(folder / files[key], "pt") as f:
+            return f.get_tensor(key)
+
+    return read(embed_key), read(head_key)
+
+
+
+def weight_map(folder: Path) -> dict[str, str]:
+    """Tensor name -> safetensors file name of a Hugging Face folder (sharded with an index, or one file)."""
+    from safetensors import safe_open
+
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        return json.loads(index.read_text())["weight_map"]
+    single = folder / "model.safetensors"
+    if not single.exists():
+        raise FileNotFoundError(f"{folder}: no model.safetensors or model.safetensors.index.json")
+    with safe_open(single, "pt") as f:
+        return {k: single.name for k in f.keys()}  # noqa: SIM118
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder layers of a Hugging Face base model."""
+    for name in ("layers", "h", "blocks"):
+        layers = getattr(model, name, None)
+        if isinstance(layers, nn.ModuleList):
+            return layers
+    raise TypeError(f"cannot find the decoder layers of {type(model).__name__}")
