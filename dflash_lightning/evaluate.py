@@ -82,12 +82,12 @@ def evaluate(
             base = decoder.target_generate(ids, max_new_tokens, stop)
             records.append({
                 "category": row.get("category"), "prompt_tokens": int(ids.numel()), "new_tokens": len(spec.tokens),
-                "steps": spec.steps, "accepted_lengths": spec.accepted_lengths,
+                "steps": spec.steps, "accepted_lengths": spec.accepted_lengths, "step_tokens": spec.step_tokens,
                 "first_mismatch": first_mismatch(spec.tokens, base.tokens),
                 "speculative_seconds": spec.seconds, "target_seconds": base.seconds,
             })
-            tau = sum(a + 1 for r in records for a in r["accepted_lengths"]) / max(1, sum(r["steps"] for r in records))
-            bar.update(task, advance=1, description=f"speculative decoding, tau {tau:.2f}")
+            tau = pooled_tau(records)
+            bar.update(task, advance=1, description=f"speculative decoding, tau {tau or 0:.2f}")
     drafter.train(modes[0]), target_model.train(modes[1])
     return summarize(records, drafter.config.block_size, max_new_tokens)
 
@@ -99,25 +99,36 @@ def first_mismatch(a: list[int], b: list[int]) -> int | None:
     return None if i == n and len(a) == len(b) else i
 
 
+def pooled_tau(records: list[dict[str, Any]]) -> float | None:
+    """All counted tokens over all decode steps of these prompts (DFLASH.md section 6); None without steps."""
+    steps = sum(len(r["step_tokens"]) for r in records)
+    return sum(sum(r["step_tokens"]) for r in records) / steps if steps else None
+
+
 def summarize(records: list[dict[str, Any]], block_size: int, max_new_tokens: int) -> dict[str, Any]:
     """tau, acceptance histogram, per-slot acceptance, per-category tau, speedup and mismatches of per-prompt runs.
 
-    tau is the mean over decode steps of accepted + 1 (DFLASH.md section 5); tokens_per_step is all new
-    tokens (the prefill's included) over all decode steps, what a serving engine gets per target forward.
+    tau counts per DFLASH.md section 6 (`step_tokens`: a + 1 per step, the last step only up to the stop token or
+    the length limit): `tau_pooled` is all counted tokens over all steps, `tau_prompt_mean` the mean of each
+    prompt's own tau (the reference benchmark prints both). The histogram and per-slot acceptance are of the
+    accepted drafts a as verified. tokens_per_step is all new tokens (the prefill's included) over all decode
+    steps, what a serving engine gets per target forward.
     """
     accepted = [a for r in records for a in r["accepted_lengths"]]
     histogram = [accepted.count(a) for a in range(block_size)]
     steps = len(accepted)
     spec_s = sum(r["speculative_seconds"] for r in records)
     target_s = sum(r["target_seconds"] for r in records)
+    records = [{**r, "tau": pooled_tau([r])} for r in records]  # each prompt's own tau
 
     def taus(rs: list[dict[str, Any]]) -> dict[str, Any]:
-        acc = [a for r in rs for a in r["accepted_lengths"]]
-        tokens = sum(r["new_tokens"] for r in rs)
+        per_prompt = [r["tau"] for r in rs if r["tau"] is not None]
+        n_steps = sum(len(r["step_tokens"]) for r in rs)
         return {
             "num_prompts": len(rs),
-            "tau": sum(a + 1 for a in acc) / len(acc) if acc else None,
-            "tokens_per_step": tokens / len(acc) if acc else None,
+            "tau_pooled": pooled_tau(rs),
+            "tau_prompt_mean": sum(per_prompt) / len(per_prompt) if per_prompt else None,
+            "tokens_per_step": sum(r["new_tokens"] for r in rs) / n_steps if n_steps else None,
         }
 
     categories = sorted({r["category"] for r in records if r["category"] is not None})
@@ -151,8 +162,9 @@ def plot_report(report: dict[str, Any], path: str | Path) -> None:
     left.set(xlabel="accepted draft tokens per step (tau - 1)", ylabel="steps", title="Acceptance lengths")
     right.plot(range(1, B), [r if r is not None else float("nan") for r in report["slot_acceptance"]], "o-")
     right.set(xlabel="slot k", ylabel="P(accepted >= k)", ylim=(0, 1.02), title="Per-slot acceptance")
-    tau, speedup = report["tau"], report["speedup"]
-    fig.suptitle(f"tau {tau:.2f}, speedup {speedup:.2f}x" if tau and speedup else "no decode steps")
+    tau, mean, speedup = report["tau_pooled"], report["tau_prompt_mean"], report["speedup"]
+    fig.suptitle(f"tau {tau:.2f} pooled over steps, {mean:.2f} mean of per-prompt means; speedup {speedup:.2f}x"
+                 if tau and speedup else "no decode steps")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -167,12 +179,13 @@ def print_summary(report: dict[str, Any]) -> None:
         return "-" if x is None else format(x, spec)
 
     table = Table(title="DFlash speculative decoding")
-    for col in ("prompts", "category", "tau", "tokens/step", "speedup", "mismatches"):
+    for col in ("prompts", "category", "tau pooled", "tau prompt mean", "tokens/step", "speedup", "mismatches"):
         table.add_column(col, justify="right")
-    table.add_row(str(report["num_prompts"]), "all", fmt(report["tau"]), fmt(report["tokens_per_step"]),
-                  fmt(report["speedup"], ".2f") + "x", str(report["mismatches"]))
+    table.add_row(str(report["num_prompts"]), "all", fmt(report["tau_pooled"]), fmt(report["tau_prompt_mean"]),
+                  fmt(report["tokens_per_step"]), fmt(report["speedup"], ".2f") + "x", str(report["mismatches"]))
     for name, c in report["per_category"].items():
-        table.add_row(str(c["num_prompts"]), name, fmt(c["tau"]), fmt(c["tokens_per_step"]), "", "")
+        table.add_row(str(c["num_prompts"]), name, fmt(c["tau_pooled"]), fmt(c["tau_prompt_mean"]),
+                      fmt(c["tokens_per_step"]), "", "")
     Console().print(table)
 
 
@@ -254,4 +267,6 @@ def _progress(enabled: bool):
                     disable=not enabled)
 
 
-__all__ = ["evaluate", "evaluate_drafter", "plot_report", "prompt_ids", "read_prompts", "summarize"]
+__all__ = [
+    "evaluate", "evaluate_drafter", "plot_report", "pooled_tau", "prompt_ids", "read_prompts", "summarize",
+]

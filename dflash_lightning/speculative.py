@@ -24,13 +24,31 @@ class Generation:
     tokens: list[int]
     """New tokens after the prompt, up to and including the first stop token."""
     accepted_lengths: list[int] = field(default_factory=list)
-    """Accepted draft tokens a of every decode step (tau of the step is a + 1); empty for the target alone."""
+    """Accepted draft tokens a of every decode step (it emits a + 1); empty for the target alone."""
     steps: int = 0
     """Target forwards after the prefill."""
     seconds: float = 0.0
     """Wall time of the decode steps (prefill excluded)."""
     prefill_seconds: float = 0.0
     """Wall time of the prefill."""
+
+    @property
+    def step_tokens(self) -> list[int]:
+        """Tokens each decode step counts toward tau (DFLASH.md section 6); see `counted_tokens`."""
+        return counted_tokens([a + 1 for a in self.accepted_lengths], len(self.tokens) - 1)
+
+
+def counted_tokens(emitted: list[int], kept: int) -> list[int]:
+    """Tokens each decode step counts toward tau: what it emitted, up to the `kept` output tokens after the prefill's.
+
+    `emitted[i]` is a + 1 of step i; `kept` is how many tokens the steps together left in the output (cut after the
+    stop token and at the length limit), so the last step counts only its tokens up to the stop or the limit.
+    """
+    counts = []
+    for n in emitted:
+        counts.append(max(0, min(n, kept)))
+        kept -= counts[-1]
+    return counts
 
 
 def accepted_length(draft: Tensor, posterior: Tensor) -> int:
@@ -210,4 +228,6 @@ def _now(device: torch.device) -> float:
     return time.perf_counter()
 
 
-__all__ = ["DraftContext", "Generation", "SpeculativeDecoder", "accepted_length", "target_generate"]
+__all__ = [
+    "DraftContext", "Generation", "SpeculativeDecoder", "accepted_length", "counted_tokens", "target_generate",
+]

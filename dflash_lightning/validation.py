@@ -75,8 +75,9 @@ class SpeculativeValidation(Callback):
         with torch.no_grad(), torch.autocast(pl_module.device.type, enabled=False):
             report = evaluate(drafter, self.model, self.tokenizer, self.prompts, self.max_new_tokens,
                               enable_thinking=self.enable_thinking, progress=False, warmup=False)
-        if log and report["tau"] is not None:  # CPU tensors: a float would become a device tensor read with a sync
-            pl_module.log("val/tau_served", torch.tensor(float(report["tau"])), rank_zero_only=True, prog_bar=True)
+        if log and report["tau_pooled"] is not None:  # CPU tensors: a float would be a device tensor read with a sync
+            pl_module.log("val/tau_served", torch.tensor(float(report["tau_pooled"])), rank_zero_only=True,
+                          prog_bar=True)
             pl_module.log("val/speculative_mismatches", torch.tensor(float(report["mismatches"])), rank_zero_only=True)
         self.report = report
         return report

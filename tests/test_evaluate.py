@@ -14,6 +14,7 @@ from dflash_lightning.config import DrafterConfig
 from dflash_lightning.evaluate import evaluate, first_mismatch, prompt_ids, summarize
 from dflash_lightning.export import export_checkpoint
 from dflash_lightning.model import DFlashDrafter
+from dflash_lightning.speculative import Generation
 
 PROMPTS = [
     {"prompt": "what does this function return ?", "category": "code"},
@@ -25,7 +26,6 @@ PROMPTS = [
 ]
 
 
-
 @pytest.fixture(scope="module")
 def prompts_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
@@ -33,7 +33,8 @@ def prompts_file(tmp_path_factory):
     return path
 
 
-def test_evaluate_command_end_to_end(tiny_target, prompts_file, tmp_path, capsys):
+def test_evaluate_command_end_to_end(tiny_target, prompts_file, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "160")  # the summary table unwrapped
     checkpoint = make_checkpoint(tiny_target, tmp_path / "last.ckpt")
     out = tmp_path / "eval"
     main(["--drafter", str(checkpoint), "--prompts", str(prompts_file), "--out", str(out), "--max_new_tokens", "12",
@@ -43,9 +44,12 @@ def test_evaluate_command_end_to_end(tiny_target, prompts_file, tmp_path, capsys
     assert report["mismatches"] == 0 and report["num_prompts"] == 4
     assert sum(report["acceptance_histogram"]) == report["steps"] > 0
     assert len(report["acceptance_histogram"]) == 8 and len(report["slot_acceptance"]) == 7
-    assert 1 <= report["tau"] <= 8 and report["speedup"] > 0
+    assert 1 <= report["tau_pooled"] <= 8 and 1 <= report["tau_prompt_mean"] <= 8 and report["speedup"] > 0
+    for p in report["prompts"]:  # every new token but the prefill's is counted once, by some step
+        assert sum(p["step_tokens"]) == p["new_tokens"] - 1 and p["tau"] == sum(p["step_tokens"]) / p["steps"]
     assert set(report["per_category"]) == {"chat", "code"} and report["per_category"]["chat"]["num_prompts"] == 2
-    assert "tau" in capsys.readouterr().out  # the rich summary table
+    printed = capsys.readouterr().out  # the rich summary table
+    assert "tau pooled" in printed and "tau prompt mean" in printed
 
     # an exported folder with an explicit target gives the same decoding
     folder = export_checkpoint(checkpoint, tmp_path / "folder")
@@ -86,19 +90,58 @@ def test_first_mismatch():
     assert first_mismatch([1, 2], [1, 2, 3]) == 2
 
 
+def record(category, accepted, step_tokens, new_tokens, mismatch=None, spec_s=1.0, target_s=1.0):
+    return {"category": category, "new_tokens": new_tokens, "steps": len(accepted), "accepted_lengths": accepted,
+            "step_tokens": step_tokens, "first_mismatch": mismatch, "speculative_seconds": spec_s,
+            "target_seconds": target_s}
+
+
 def test_summary_arithmetic():
-    records = [
-        {"category": "a", "new_tokens": 7, "steps": 3, "accepted_lengths": [0, 3, 1], "first_mismatch": None,
-         "speculative_seconds": 1.0, "target_seconds": 3.0},
-        {"category": "b", "new_tokens": 4, "steps": 1, "accepted_lengths": [3], "first_mismatch": 2,
-         "speculative_seconds": 1.0, "target_seconds": 1.0},
-    ]
+    records = [record("a", [0, 3, 1], [1, 4, 2], 8, spec_s=1.0, target_s=3.0), record("b", [3], [4], 5, mismatch=2)]
     r = summarize(records, block_size=4, max_new_tokens=8)
-    assert r["tau"] == (1 + 4 + 2 + 4) / 4 and r["tokens_per_step"] == 11 / 4
+    assert r["tau_pooled"] == (1 + 4 + 2 + 4) / 4 and r["tokens_per_step"] == 13 / 4
+    assert r["tau_prompt_mean"] == (7 / 3 + 4) / 2
     assert r["acceptance_histogram"] == [1, 1, 0, 2]
     assert r["slot_acceptance"] == [3 / 4, 2 / 4, 2 / 4]  # P(accepted >= k), k = 1..3
     assert r["speedup"] == 2.0 and r["mismatches"] == 1
-    assert r["per_category"]["a"]["tau"] == 7 / 3 and r["per_category"]["b"]["tau"] == 4
+    assert r["per_category"]["a"]["tau_pooled"] == 7 / 3 and r["per_category"]["b"]["tau_pooled"] == 4
+    assert [p["tau"] for p in r["prompts"]] == [7 / 3, 4] and "tau" not in records[0]  # input left as it was
+
+
+STOP = 2
+# Hand-made decode traces: the prefill's token, then what each step emitted (a accepted drafts + the bonus token).
+TRACES = [
+    dict(prefill=5, steps=[[6, 7, 8], [9], [10, STOP, 11, 12]], max_new_tokens=50),  # stop token mid-step
+    dict(prefill=5, steps=[[6, 7, 8, 9], [10, 11, 12]], max_new_tokens=6),  # length limit mid-step
+    dict(prefill=5, steps=[[6, 7], [8, STOP]], max_new_tokens=50),  # stop token at a step's end
+]
+
+
+def plain_count(trace) -> tuple[list[int], list[int]]:
+    """The output as greedy decoding leaves it, and per step how many of its tokens are in that output."""
+    stream = [trace["prefill"]] + [t for step in trace["steps"] for t in step]
+    end = min(stream.index(STOP) + 1 if STOP in stream else len(stream), trace["max_new_tokens"])
+    counts, position = [], 1
+    for step in trace["steps"]:
+        counts.append(sum(position + i < end for i in range(len(step))))
+        position += len(step)
+    return stream[:end], counts
+
+
+def test_tau_counts_only_tokens_up_to_the_stop_token_and_the_length_limit():
+    """DFLASH.md section 6: the last step of a sequence counts nothing after the stop token or past the limit."""
+    records = []
+    for trace in TRACES:
+        output, counts = plain_count(trace)
+        generation = Generation(output, [len(step) - 1 for step in trace["steps"]], len(trace["steps"]))
+        assert generation.step_tokens == counts
+        records.append(record(None, generation.accepted_lengths, generation.step_tokens, len(generation.tokens)))
+    assert [r["step_tokens"] for r in records] == [[3, 1, 2], [4, 1], [2, 2]]  # the plain count, by hand
+    report = summarize(records, block_size=4, max_new_tokens=50)
+    assert report["tau_pooled"] == (3 + 1 + 2 + 4 + 1 + 2 + 2) / 7
+    assert report["tau_prompt_mean"] == (6 / 3 + 5 / 2 + 4 / 2) / 3
+    assert [p["tau"] for p in report["prompts"]] == [2, 2.5, 2]
+    assert report["acceptance_histogram"] == [1, 2, 2, 2]  # acceptance itself is of the drafts as verified
 
 
 def test_bad_prompts_file_names_file_and_line(tmp_path):

@@ -99,6 +99,10 @@ def test_stop_token_inside_an_accepted_block(target):
     decoder = OracleDecoder(target, random_drafter(target, 16), truth, ids.numel())
     spec = decoder.generate(ids, 30, stop)
     assert spec.tokens == expected
+    # the last step emitted drafts past the stop token; tau counts only those up to it
+    assert spec.accepted_lengths[-1] + 1 > spec.step_tokens[-1]
+    assert spec.step_tokens[:-1] == [a + 1 for a in spec.accepted_lengths[:-1]]
+    assert sum(spec.step_tokens) == len(expected) - 1
 
 
 def test_max_new_tokens_is_exact(target):
