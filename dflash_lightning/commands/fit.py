@@ -12,13 +12,14 @@ import torch
 from lightning.pytorch.cli import LightningCLI
 
 from dflash_lightning.data import DFlashDataModule
+from dflash_lightning.image_logging import ImageLogging
 from dflash_lightning.module import DFlashModule
 from dflash_lightning.target import TargetFeatures
 from dflash_lightning.validation import SpeculativeValidation
 
 
 class DFlashCLI(LightningCLI):
-    """LightningCLI with a `target` section (the TargetFeatures callback) and the DFlash links."""
+    """LightningCLI with `target`, `spec_eval` and `images` sections (callbacks) and the DFlash links."""
 
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
@@ -29,6 +30,7 @@ class DFlashCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_lightning_class_args(TargetFeatures, "target")
         parser.add_lightning_class_args(SpeculativeValidation, "spec_eval")
+        parser.add_lightning_class_args(ImageLogging, "images")
         parser.link_arguments("target.path", "model.target")
         parser.link_arguments("target.path", "spec_eval.target")
         parser.link_arguments("target.dtype", "spec_eval.dtype")
