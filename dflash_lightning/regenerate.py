@@ -1,16 +1,16 @@
 """Rewrite the assistant turns of conversation files with the target itself (DFLASH.md section 4), so that
 the drafter learns what the target says; writes resumable JSONL in the `messages` format, in source order.
 
-`python -m dflash_lightning regenerate --input_files data/*.jsonl --out train.jsonl --target Qwen/Qwen3-8B`
+Backends: in-process Hugging Face `generate` ("hf", the default) or an OpenAI-compatible server ("openai": vLLM,
+SGLang, `transformers serve`: regenerate_openai.py); ordered output and resume: regenerate_output.py.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
+import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -27,14 +27,18 @@ from dflash_lightning.data.conversations import (
     resolve_files,
     to_messages,
 )
+from dflash_lightning.regenerate_output import (
+    Conversation,
+    OrderedWriter,
+    check_settings,
+    resume_point,
+    trim_rejects,
+)
 from dflash_lightning.target import DTYPES, resolve_model_dir
 
 log = logging.getLogger(__name__)
 
-INDEX_KEY = "source_index"  # every output line carries the index of its source record: resume and order rely on it
-# Settings that change what is generated: a resumed run must use the same ones as the lines already written.
-SETTINGS = ("input_files", "target", "format", "enable_thinking", "max_new_tokens", "temperature", "top_p", "top_k",
-            "seed")
+Backend = Literal["hf", "openai"]
 
 
 # ------------------------------------------------------------------------------------------- reading
@@ -86,51 +90,13 @@ def conversation(record: Any, fmt: Literal["auto", "messages", "sharegpt"], loca
     return messages
 
 
-# ------------------------------------------------------------------------------------------ resuming
-
-
-def resume_point(out: Path) -> int:
-    """Index of the first source record not yet in `out`; a torn last line (a kill mid-write) is cut off first."""
-    if not out.exists():
-        return 0
-    last, kept = -1, 0
-    with out.open("r+b") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.endswith(b"\n"):
-                break  # written in part: the record is generated again
-            try:
-                index = json.loads(line)[INDEX_KEY]
-            except (ValueError, KeyError, TypeError) as err:
-                raise DataError(f"{out}:{number}", f"not a line written by regenerate (no '{INDEX_KEY}')",
-                                repr(err)) from err
-            if not isinstance(index, int) or index <= last:
-                raise DataError(f"{out}:{number}", f"'{INDEX_KEY}' {index!r} does not follow {last}")
-            last, kept = index, kept + len(line)
-        size = f.seek(0, os.SEEK_END)
-        if kept < size:
-            log.warning(f"{out}: cut a torn last line of {size - kept} bytes; its record is generated again")
-            f.truncate(kept)
-    return last + 1
-
-
-def check_settings(out: Path, settings: dict[str, Any]) -> None:
-    """Write the generation settings beside `out`, or refuse to append to lines made with other settings."""
-    path = out.parent / f".{out.name}.regenerate.json"  # hidden, so that a `*.json` data glob does not take it
-    if path.exists() and out.exists() and out.stat().st_size > 0:
-        old = json.loads(path.read_text())
-        for key in SETTINGS:
-            if old.get(key) != settings[key]:
-                raise ValueError(f"{out} was written with {key}={old.get(key)!r}, now {key}={settings[key]!r}; "
-                                 "use the same settings to resume, or another --out")
-    path.write_text(json.dumps(settings, indent=1))
-
-
 # ---------------------------------------------------------------------------------------- generating
 
 
 def generate_turns(model: Any, tokenizer: Any, prompts: list[list[Message]], options: dict[str, Any],
-                   template_kwargs: dict[str, Any], stop_ids: list[int]) -> list[tuple[str, bool]]:
-    """`(text, truncated)` of the target's answer to each prompt, generated as one left-padded batch."""
+                   template_kwargs: dict[str, Any], stop_ids: list[int],
+                   stop: Sequence[str] = ()) -> list[tuple[str, bool, int]]:
+    """`(text, truncated, generated tokens, the end token included)` of the answer to each prompt, left-padded."""
     texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True, **template_kwargs)
              for p in prompts]
     # the template holds any BOS itself, as in evaluate.prompt_ids
@@ -139,80 +105,37 @@ def generate_turns(model: Any, tokenizer: Any, prompts: list[list[Message]], opt
     answers = []
     for row in out[:, encoded["input_ids"].shape[1]:].tolist():
         end = next((k for k, t in enumerate(row) if t in stop_ids), None)
-        answers.append((tokenizer.decode(row[:end], skip_special_tokens=True), end is None))
+        text = tokenizer.decode(row[:end], skip_special_tokens=True)
+        # as OpenAI-compatible servers do, a stop string ends the answer and is not part of it
+        cut = min((text.find(s) for s in stop if s in text), default=-1)
+        answers.append((text if cut < 0 else text[:cut], end is None and cut < 0, len(row) if end is None else end + 1))
     return answers
 
 
 def regenerate_batch(model: Any, tokenizer: Any, batch: list[list[Message]], options: dict[str, Any],
-                     template_kwargs: dict[str, Any], stop_ids: list[int], counts: Counter[str]) -> None:
+                     template_kwargs: dict[str, Any], stop_ids: list[int], counts: Counter[str],
+                     stop: Sequence[str] = ()) -> None:
     """Rewrites every assistant turn of the conversations in place, turn by turn: turn k sees the new turns < k."""
     slots = [[i for i, m in enumerate(msgs) if m["role"] == "assistant"] for msgs in batch]
     for turn in range(max(map(len, slots))):
         todo = [(msgs, s[turn]) for msgs, s in zip(batch, slots, strict=True) if turn < len(s)]
-        answers = generate_turns(model, tokenizer, [msgs[:i] for msgs, i in todo], options, template_kwargs, stop_ids)
-        for (msgs, i), (text, truncated) in zip(todo, answers, strict=True):
+        answers = generate_turns(model, tokenizer, [msgs[:i] for msgs, i in todo], options, template_kwargs, stop_ids,
+                                 stop)
+        for (msgs, i), (text, truncated, tokens) in zip(todo, answers, strict=True):
             msgs[i] = {"role": "assistant", "content": text}
             counts["turns"] += 1
             counts["truncated turns"] += truncated
+            counts["tokens"] += tokens
 
 
-def regenerate(
-    *,
-    input_files: list[str],
-    out: str,
-    target: str,
-    format: Literal["auto", "messages", "sharegpt"] = "auto",
-    enable_thinking: bool | None = False,
-    max_new_tokens: int = 2048,
-    batch_size: int = 32,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    seed: int = 0,
-    device: str = "auto",
-    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16",
-    limit: int | None = None,
-    on_bad_record: Literal["error", "skip"] = "error",
-    progress: bool = True,
-) -> Path:
-    """Rewrite every assistant turn of conversation files with the target, batched; resumes where `out` ends.
-
-    Output lines are `{..extra keys.., "messages": [...], "source_index": i}` in source order. A final user
-    turn is answered too. A conversation whose new answer is empty is dropped (the data stage refuses them).
-
-    Args:
-        input_files: Conversations: .jsonl/.json, .parquet, `save_to_disk` folders or globs (as for training).
-        out: JSONL file to write; if it exists, generation continues after its last complete line.
-        target: Hugging Face folder or hub id of the target that writes the answers.
-        format: Record format: OpenAI "messages", ShareGPT "conversations", or "auto" per record.
-        enable_thinking: Passed to the chat template (Qwen3); None: not passed. The recipe trains thinking off.
-        max_new_tokens: Most tokens per generated turn; longer answers are cut (and counted).
-        batch_size: Conversations generated together (left-padded).
-        temperature: 0: greedy decoding; > 0: sampling at this temperature.
-        top_p: Nucleus sampling threshold when sampling.
-        top_k: Top-k sampling when sampling; 0: off.
-        seed: Sampling seed; batch starting at source index i samples with seed + i.
-        device: Device of the target: "auto" (cuda if available), "cpu", "cuda", "cuda:1", ...
-        dtype: Dtype of the target.
-        limit: Only the first `limit` source records (counting those already done); None: all.
-        on_bad_record: "error" raises on a bad record; "skip" leaves it out and counts it.
-        progress: Show a progress bar.
-    """
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+def run_hf(conversations: Iterator[Conversation], writer: OrderedWriter, counts: Counter[str],
+           done: Callable[[int], None], *, target: str, device: str, dtype: str, batch_size: int,
+           max_new_tokens: int, temperature: float, top_p: float, top_k: int, seed: int, stop: Sequence[str],
+           template_kwargs: dict[str, Any]) -> None:
+    """The in-process backend: the target's `generate` on batches of `batch_size` conversations, in source order."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dflash_lightning.evaluate import stop_token_ids
-
-    if batch_size < 1 or max_new_tokens < 1 or temperature < 0:
-        raise ValueError(f"need batch_size >= 1, max_new_tokens >= 1, temperature >= 0; got {batch_size}, "
-                         f"{max_new_tokens}, {temperature}")
-    files = resolve_files(input_files, "input_files")
-    out_path = Path(out)
-    settings = {k: v for k, v in locals().items() if k in SETTINGS}
-    settings["input_files"] = [str(p) for p in files]
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    start = resume_point(out_path)
-    check_settings(out_path, settings)
 
     folder = resolve_model_dir(target)
     tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -226,7 +149,144 @@ def regenerate(
     greedy = {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
     options = {"max_new_tokens": max_new_tokens, "pad_token_id": tokenizer.pad_token_id, "eos_token_id": stop_ids,
                **(sampling if temperature > 0 else greedy)}
+    if stop:
+        options |= {"stop_strings": list(stop), "tokenizer": tokenizer}
+
+    def flush(batch: list[Conversation]) -> None:
+        torch.manual_seed(seed + batch[0][0])  # sampling is reproducible per batch, also after a resume
+        tokens = counts["tokens"]
+        regenerate_batch(model, tokenizer, [c[3] for c in batch], options, template_kwargs, stop_ids, counts, stop)
+        for index, location, record, messages in batch:
+            writer.finish(index, location, record, messages)
+        done(len(batch), counts["tokens"] - tokens)
+
+    batch: list[Conversation] = []
+    for item in conversations:
+        batch.append(item)
+        if len(batch) == batch_size:
+            flush(batch)
+            batch = []
+    if batch:
+        flush(batch)
+
+
+# ------------------------------------------------------------------------------------------ the command
+
+
+def rate_column() -> Any:
+    """A rich progress column: records/s and generated tokens/s since the start (the task's `tokens` field)."""
+    from rich.progress import ProgressColumn
+    from rich.text import Text
+
+    class Rates(ProgressColumn):
+        def render(self, task: Any) -> Text:
+            elapsed = task.elapsed or 0.0
+            if elapsed <= 0:
+                return Text("")
+            return Text(f"{task.completed / elapsed:,.2f} records/s  {task.fields.get('tokens', 0) / elapsed:,.0f} "
+                        "tokens/s", style="progress.data.speed")
+
+    return Rates()
+
+
+def regenerate(
+    *,
+    input_files: list[str],
+    out: str,
+    target: str | None = None,
+    backend: Backend = "hf",
+    base_url: list[str] | None = None,
+    api_key_env: str = "OPENAI_API_KEY",
+    concurrency: int = 64,
+    request_timeout: float = 600.0,
+    max_retries: int = 5,
+    abort_after: int = 32,
+    format: Literal["auto", "messages", "sharegpt"] = "auto",
+    enable_thinking: bool | None = False,
+    max_new_tokens: int = 2048,
+    batch_size: int = 32,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    stop: list[str] | None = None,
+    seed: int = 0,
+    device: str = "auto",
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16",
+    limit: int | None = None,
+    on_bad_record: Literal["error", "skip"] = "error",
+    rejects: str | None = None,
+    progress: bool = True,
+) -> Path:
+    """Rewrite every assistant turn of conversation files with the target; resumes where `out` ends.
+
+    Output lines are `{..extra keys.., "messages": [...], "source_index": i}` in source order. A final user
+    turn is answered too. A record that yields no line (an empty answer, a skipped bad record, a request that
+    still fails after the retries) is written to the rejects file with the reason and counted.
+
+    Args:
+        input_files: Conversations: .jsonl/.json, .parquet, `save_to_disk` folders or globs (as for training).
+        out: JSONL file to write; if it exists, generation continues after its last complete line.
+        target: "hf": Hugging Face folder or hub id of the target. "openai": the model name the servers serve
+            (None: the one model they list).
+        backend: "hf": in-process `generate` (the default, for the embedded tiny target); "openai": an
+            OpenAI-compatible server (vLLM, SGLang, `transformers serve`) at `base_url`.
+        base_url: "openai": the servers' API roots, e.g. http://127.0.0.1:8000/v1; several (one server per GPU
+            group) share the conversations, each conversation's turns going to one server.
+        api_key_env: "openai": name of the environment variable holding the API key (none set: no key).
+        concurrency: "openai": conversations in flight at once, over all servers.
+        request_timeout: "openai": seconds to wait for one answer before the request is retried.
+        max_retries: "openai": retries of a request that timed out, lost its connection or got HTTP 408, 409,
+            429 or 5xx, with exponential backoff; a request that still fails rejects its record, an unreachable
+            server stops the run.
+        abort_after: "openai": stop the run after this many records in a row failed at the servers (a broken
+            server rather than bad records); 0: never.
+        format: Record format: OpenAI "messages", ShareGPT "conversations", or "auto" per record.
+        enable_thinking: Passed to the chat template (Qwen3), in "openai" as `chat_template_kwargs`; None: not
+            passed. The recipe trains thinking off.
+        max_new_tokens: Most tokens per generated turn; longer answers are cut (and counted).
+        batch_size: "hf": conversations generated together (left-padded).
+        temperature: 0: greedy decoding; > 0: sampling at this temperature.
+        top_p: Nucleus sampling threshold when sampling.
+        top_k: Top-k sampling when sampling; 0: off.
+        stop: Strings that end an answer (not kept in it); None: only the target's end-of-turn tokens.
+        seed: Sampling seed: "hf": the batch starting at source index i samples with seed + i; "openai": the
+            requests of source record i carry seed + i.
+        device: "hf": device of the target: "auto" (cuda if available), "cpu", "cuda", "cuda:1", ...
+        dtype: "hf": dtype of the target.
+        limit: Only the first `limit` source records (counting those already done); None: all.
+        on_bad_record: "error" raises on a bad record; "skip" rejects it (to the rejects file) and goes on.
+        rejects: JSONL file of the rejected records; None: `out` + ".rejects" (not matched by a *.jsonl glob).
+        progress: Show a progress bar.
+    """
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    if batch_size < 1 or max_new_tokens < 1 or temperature < 0 or concurrency < 1 or max_retries < 0:
+        raise ValueError(f"need batch_size >= 1, max_new_tokens >= 1, temperature >= 0, concurrency >= 1, "
+                         f"max_retries >= 0; got {batch_size}, {max_new_tokens}, {temperature}, {concurrency}, "
+                         f"{max_retries}")
+    files = resolve_files(input_files, "input_files")
+    out_path = Path(out)
+    rejects_path = Path(rejects) if rejects is not None else out_path.with_name(out_path.name + ".rejects")
+    stop = list(stop or [])
     template_kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+    server = None
+    if backend == "openai":
+        from dflash_lightning import regenerate_openai as ro
+
+        servers = ro.Servers(base_url or [], api_key_env, request_timeout, max_retries)
+        target, server = servers.identify(target)
+    elif target is None:
+        raise ValueError("backend 'hf' needs --target: the target's Hugging Face folder or hub id")
+    settings = {"input_files": [str(p) for p in files], "target": target, "format": format,
+                "enable_thinking": enable_thinking, "max_new_tokens": max_new_tokens, "temperature": temperature,
+                "top_p": top_p, "top_k": top_k, "seed": seed, "stop": stop or None, "backend": backend,
+                "server": server}
+    if backend == "openai":
+        settings["base_url"] = list(base_url or [])  # for the record; a server may move between runs
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    start = resume_point(out_path)
+    check_settings(out_path, settings)
+    trim_rejects(rejects_path, start)
 
     total = sum(count_records(p) for p in files)
     end = total if limit is None else min(limit, total)
@@ -242,44 +302,56 @@ def regenerate(
                     yield index, location, record
                 index += 1
 
-    def flush(batch: list[tuple[int, dict[str, Any], list[Message]]], f: Any) -> None:
-        torch.manual_seed(seed + batch[0][0])  # sampling is reproducible per batch, also after a resume
-        regenerate_batch(model, tokenizer, [m for _, _, m in batch], options, template_kwargs, stop_ids, counts)
-        lines = []
-        for index, record, messages in batch:
-            if any(m["role"] == "assistant" and not m["content"].strip() for m in messages):
-                counts["dropped: empty answer"] += 1
-                continue
-            extra = {k: v for k, v in record.items() if k not in ("messages", "conversations", INDEX_KEY)}
-            lines.append(json.dumps({**extra, "messages": messages, INDEX_KEY: index}, ensure_ascii=False) + "\n")
-        f.write("".join(lines).encode())
-        f.flush()
-        os.fsync(f.fileno())  # a finished batch survives a crash; a later kill can tear at most the next write
-
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, disable=not progress) as bar, out_path.open("ab") as f:
-        task = bar.add_task("regenerating", total=max(0, end - start))
-        batch: list[tuple[int, dict[str, Any], list[Message]]] = []
+    def conversations(writer: OrderedWriter) -> Iterator[Conversation]:
         for index, location, record in pending():
             try:
                 if isinstance(record, DataError):
                     raise record
-                batch.append((index, record, conversation(record, format, location)))
+                messages = conversation(record, format, location)
             except DataError as err:
                 if on_bad_record == "error":
                     raise
-                counts[f"skipped: {err.reason}"] += 1
-                bar.update(task, advance=1)
-            if len(batch) == batch_size:
-                flush(batch, f)
-                bar.update(task, advance=len(batch))
-                batch = []
-        if batch:
-            flush(batch, f)
-            bar.update(task, advance=len(batch))
-    summary = ", ".join(f"{n:,} {what}" for what, n in sorted(counts.items()))
-    print(f"regenerated source records {start:,}..{end - 1:,} into {out_path}: {summary or 'nothing to do'}")
+                writer.reject(index, location, f"bad record: {err.reason}", str(err), record)
+                done(1, 0)
+                continue
+            yield index, location, record, messages
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), rate_column(),
+               TimeElapsedColumn())
+    began = time.monotonic()
+    with Progress(*columns, disable=not progress) as bar, \
+            OrderedWriter(out_path, rejects_path, start, counts) as writer:
+        task = bar.add_task("regenerating", total=max(0, end - start), tokens=0)
+
+        def done(records: int, tokens: int) -> None:
+            bar.update(task, advance=records, tokens=bar.tasks[task].fields["tokens"] + tokens)
+
+        sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, stop=stop,
+                        seed=seed)
+        if backend == "openai":
+            servers.run(conversations(writer), writer, counts, done, model=target, concurrency=concurrency,
+                        abort_after=abort_after, template_kwargs=template_kwargs, **sampling)
+        else:
+            run_hf(conversations(writer), writer, counts, done, target=target, device=device, dtype=dtype,
+                   batch_size=batch_size, template_kwargs=template_kwargs, **sampling)
+    print(summary(counts, start, end, out_path, rejects_path, time.monotonic() - began))
     return out_path
 
 
-__all__ = ["conversation", "regenerate", "regenerate_batch", "resume_point"]
+def summary(counts: Counter[str], start: int, end: int, out: Path, rejects: Path, seconds: float) -> str:
+    """The closing line: records written and rejected (by reason), turns, tokens, time and rates."""
+    if end <= start:
+        return f"regenerated source records {start:,}..{end - 1:,} into {out}: nothing to do"
+    rejected = sum(n for what, n in counts.items() if what.startswith("rejected: "))
+    reasons = ", ".join(f"{n:,} {what[10:]}" for what, n in sorted(counts.items()) if what.startswith("rejected: "))
+    text = (f"regenerated source records {start:,}..{end - 1:,} into {out} in {seconds:,.1f} s: "
+            f"{counts['written']:,} written, {rejected:,} rejected")
+    text += f" ({reasons}; see {rejects})" if rejected else ""
+    text += (f"; {counts['turns']:,} turns ({counts['truncated turns']:,} cut at max_new_tokens), "
+             f"{counts['tokens']:,} tokens generated; {(end - start) / seconds:,.2f} records/s, "
+             f"{counts['tokens'] / seconds:,.0f} tokens/s")
+    extra = ", ".join(f"{n:,} {what}" for what, n in sorted(counts.items()) if what.startswith("requests to "))
+    return text + (f"; {extra}" if extra else "")
+
+
+__all__ = ["OrderedWriter", "conversation", "regenerate", "regenerate_batch", "resume_point", "run_hf"]
