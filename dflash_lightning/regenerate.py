@@ -195,7 +195,7 @@ def regenerate(
     out: str,
     target: str | None = None,
     backend: Backend = "hf",
-    base_url: list[str] | None = None,
+    base_url: list[str] | str | None = None,
     api_key_env: str = "OPENAI_API_KEY",
     concurrency: int = 64,
     request_timeout: float = 600.0,
@@ -230,8 +230,8 @@ def regenerate(
             (None: the one model they list).
         backend: "hf": in-process `generate` (the default, for the embedded tiny target); "openai": an
             OpenAI-compatible server (vLLM, SGLang, `transformers serve`) at `base_url`.
-        base_url: "openai": the servers' API roots, e.g. http://127.0.0.1:8000/v1; several (one server per GPU
-            group) share the conversations, each conversation's turns going to one server.
+        base_url: "openai": the server's API root, e.g. http://127.0.0.1:8000/v1, or a list of several (one server
+            per GPU group: `[http://a:8000/v1,http://b:8000/v1]`); each conversation's turns go to one of them.
         api_key_env: "openai": name of the environment variable holding the API key (none set: no key).
         concurrency: "openai": conversations in flight at once, over all servers.
         request_timeout: "openai": seconds to wait for one answer before the request is retried.
@@ -270,10 +270,11 @@ def regenerate(
     stop = list(stop or [])
     template_kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
     server = None
+    base_urls = [base_url] if isinstance(base_url, str) else list(base_url or [])
     if backend == "openai":
         from dflash_lightning import regenerate_openai as ro
 
-        servers = ro.Servers(base_url or [], api_key_env, request_timeout, max_retries)
+        servers = ro.Servers(base_urls, api_key_env, request_timeout, max_retries)
         target, server = servers.identify(target)
     elif target is None:
         raise ValueError("backend 'hf' needs --target: the target's Hugging Face folder or hub id")
@@ -282,7 +283,7 @@ def regenerate(
                 "top_p": top_p, "top_k": top_k, "seed": seed, "stop": stop or None, "backend": backend,
                 "server": server}
     if backend == "openai":
-        settings["base_url"] = list(base_url or [])  # for the record; a server may move between runs
+        settings["base_url"] = base_urls  # for the record; a server may move between runs
     out_path.parent.mkdir(parents=True, exist_ok=True)
     start = resume_point(out_path)
     check_settings(out_path, settings)

@@ -137,8 +137,6 @@ class Servers:
     """The OpenAI-compatible servers of a run: checked before any work, then sharing the conversations."""
 
     def __init__(self, base_urls: Sequence[str], api_key_env: str, timeout: float, max_retries: int) -> None:
-        if isinstance(base_urls, str):
-            base_urls = [base_urls]
         if not base_urls:
             raise ValueError("backend 'openai' needs --base_url: the server's API root, e.g. http://127.0.0.1:8000/v1")
         for url in base_urls:

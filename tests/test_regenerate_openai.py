@@ -237,7 +237,8 @@ class Fake(BaseHTTPRequestHandler):
                                    b'"choices": []}')
         if kind == "long":
             return self.reply(400, b'{"error": {"message": "prompt longer than max_model_len"}}')
-        text = f"{self.server.name} says {prompt} after {len(body['messages'])}"
+        earlier = [m["content"] for m in body["messages"] if m["role"] == "assistant"]
+        text = f"{self.server.name} says {prompt} after {earlier}"
         message = {"role": "assistant", "content": None if kind == "null" else text}
         self.reply(200, json.dumps({
             "id": "x", "object": "chat.completion", "created": 0, "model": "fake",
@@ -274,8 +275,8 @@ def test_fake_servers_malformed_failing_and_good_answers(fakes, tmp_path, capsys
         first, second = row["messages"][1]["content"], row["messages"][3]["content"]
         server = first.split()[0]
         prompt = row["messages"][0]["content"]
-        # turn 2 saw the new turn 1 (3 messages before it), on the same server
-        assert first == f"{server} says {prompt} after 1" and second == f"{server} says {prompt} again after 3"
+        # turn 2 was asked with the new turn 1, on the same server
+        assert first == f"{server} says {prompt} after []" and second == f"{server} says {prompt} again after {[first]}"
     assert {r["messages"][1]["content"].split()[0] for r in rows} == {"a", "b"}  # spread over both servers
     assert Fake.seen["flaky 1"] == 2 and Fake.seen["down 6"] == 2  # retried once (max_retries=1)
     rejects = {r["source_index"]: r for r in map(json.loads, Path(f"{out}.rejects").read_text().splitlines())}
