@@ -154,11 +154,10 @@ def run_hf(conversations: Iterator[Conversation], writer: OrderedWriter, counts:
 
     def flush(batch: list[Conversation]) -> None:
         torch.manual_seed(seed + batch[0][0])  # sampling is reproducible per batch, also after a resume
-        tokens = counts["tokens"]
         regenerate_batch(model, tokenizer, [c[3] for c in batch], options, template_kwargs, stop_ids, counts, stop)
         for index, location, record, messages in batch:
             writer.finish(index, location, record, messages)
-        done(len(batch), counts["tokens"] - tokens)
+        done(len(batch))
 
     batch: list[Conversation] = []
     for item in conversations:
@@ -313,7 +312,7 @@ def regenerate(
                 if on_bad_record == "error":
                     raise
                 writer.reject(index, location, f"bad record: {err.reason}", str(err), record)
-                done(1, 0)
+                done(1)
                 continue
             yield index, location, record, messages
 
@@ -324,8 +323,8 @@ def regenerate(
             OrderedWriter(out_path, rejects_path, start, counts) as writer:
         task = bar.add_task("regenerating", total=max(0, end - start), tokens=0)
 
-        def done(records: int, tokens: int) -> None:
-            bar.update(task, advance=records, tokens=bar.tasks[task].fields["tokens"] + tokens)
+        def done(records: int) -> None:
+            bar.update(task, advance=records, tokens=counts["tokens"])
 
         sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, stop=stop,
                         seed=seed)

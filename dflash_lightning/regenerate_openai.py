@@ -117,9 +117,8 @@ class Server:
         return text, finish == "length", tokens if isinstance(tokens, int) else 0
 
     async def regenerate(self, model: str, messages: list[Message], fields: dict[str, Any],
-                         counts: Counter[str]) -> int:
-        """Rewrites every assistant turn in place, turn by turn (turn k sees the new turns < k); generated tokens."""
-        tokens = 0
+                         counts: Counter[str]) -> None:
+        """Rewrites every assistant turn in place, turn by turn: turn k is asked with the new turns < k."""
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
@@ -129,8 +128,6 @@ class Server:
             counts["truncated turns"] += truncated
             counts["tokens"] += n
             counts[f"requests to {self.url}"] += 1
-            tokens += n
-        return tokens
 
 
 class Servers:
@@ -174,14 +171,14 @@ class Servers:
         return target, engines.pop()
 
     def run(self, conversations: Iterator[Conversation], writer: OrderedWriter, counts: Counter[str],
-            done: Callable[[int, int], None], *, model: str, concurrency: int, abort_after: int, seed: int,
+            done: Callable[[int], None], *, model: str, concurrency: int, abort_after: int, seed: int,
             **sampling: Any) -> None:
         """Regenerates the conversations, `concurrency` at once, each on the server holding the fewest now."""
         fields = request_fields(**sampling)
         asyncio.run(self._run(conversations, writer, counts, done, model, fields, concurrency, abort_after, seed))
 
     async def _run(self, conversations: Iterator[Conversation], writer: OrderedWriter, counts: Counter[str],
-                   done: Callable[[int, int], None], model: str, fields: dict[str, Any], concurrency: int,
+                   done: Callable[[int], None], model: str, fields: dict[str, Any], concurrency: int,
                    abort_after: int, seed: int) -> None:
         servers = self._connect()
         slots = asyncio.Semaphore(concurrency)
@@ -204,21 +201,21 @@ class Servers:
             index, location, record, messages = item
             request = fields | {"seed": seed + index} if sampled else fields
             try:
-                tokens = await server.regenerate(model, messages, request, counts)
-            except RecordFailure as err:
-                writer.reject(index, location, err.reason, err.detail, record)
-                done(1, 0)
-                failed_in_a_row += 1
-                if abort_after and failed_in_a_row >= abort_after:
-                    stop(ServerError(f"{failed_in_a_row} records in a row failed at the servers (the last: {err}); "
-                                     f"see {writer.rejects_path}, fix the server and run the same command again "
-                                     "to resume"))
-            except Exception as err:  # noqa: BLE001 - ends the run, raised by it below
+                try:
+                    await server.regenerate(model, messages, request, counts)
+                except RecordFailure as err:
+                    writer.reject(index, location, err.reason, err.detail, record)
+                    failed_in_a_row += 1
+                    if abort_after and failed_in_a_row >= abort_after:
+                        stop(ServerError(f"{failed_in_a_row} records in a row failed at the servers (the last: "
+                                         f"{err}); see {writer.rejects_path}, fix the server and run the same "
+                                         "command again to resume"))
+                else:
+                    failed_in_a_row = 0
+                    writer.finish(index, location, record, messages)
+                done(1)
+            except Exception as err:  # noqa: BLE001 - anything else ends the run, raised by it below
                 stop(err)
-            else:
-                failed_in_a_row = 0
-                writer.finish(index, location, record, messages)
-                done(1, tokens)
             finally:
                 server.in_flight -= 1
                 slots.release()
