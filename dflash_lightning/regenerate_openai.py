@@ -8,6 +8,7 @@ import asyncio
 import os
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from dflash_lightning.data.conversations import Message
@@ -46,6 +47,16 @@ def request_fields(*, max_new_tokens: int, temperature: float, top_p: float, top
     if extra:
         fields["extra_body"] = extra
     return fields
+
+
+def run_coroutine(coroutine: Any) -> Any:
+    """`asyncio.run`, also from a notebook, whose own event loop runs in this thread: then in a thread of its own."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coroutine).result()
 
 
 def said(err: Any) -> str:
@@ -156,7 +167,7 @@ class Servers:
             finally:
                 await asyncio.gather(*(s.client.close() for s in servers))
 
-        listed = asyncio.run(ask())
+        listed = run_coroutine(ask())
         if target is None:
             names = {name for models in listed for name in models}
             if len(names) != 1:
@@ -175,7 +186,7 @@ class Servers:
             **sampling: Any) -> None:
         """Regenerates the conversations, `concurrency` at once, each on the server holding the fewest now."""
         fields = request_fields(**sampling)
-        asyncio.run(self._run(conversations, writer, counts, done, model, fields, concurrency, abort_after, seed))
+        run_coroutine(self._run(conversations, writer, counts, done, model, fields, concurrency, abort_after, seed))
 
     async def _run(self, conversations: Iterator[Conversation], writer: OrderedWriter, counts: Counter[str],
                    done: Callable[[int], None], model: str, fields: dict[str, Any], concurrency: int,

@@ -4,6 +4,7 @@ loss, a server stopped mid-run stops the run naming its URL; a fake server answe
 
 from __future__ import annotations
 
+import asyncio
 import json
 import multiprocessing
 import os
@@ -208,6 +209,7 @@ class Fake(BaseHTTPRequestHandler):
     """Answers by the last user turn: 'ok ...' well, 'flaky ...' with one 500 first, the rest badly."""
 
     seen: dict[str, int] = {}
+    bodies: list[dict] = []
 
     def log_message(self, *args) -> None:
         pass
@@ -225,6 +227,7 @@ class Fake(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        Fake.bodies.append(body)
         prompt = body["messages"][-1]["content"]
         Fake.seen[prompt] = Fake.seen.get(prompt, 0) + 1
         kind = prompt.split()[0]
@@ -254,7 +257,7 @@ def fakes():
         server.name = name
         threading.Thread(target=server.serve_forever, daemon=True).start()
         servers.append(server)
-    Fake.seen = {}
+    Fake.seen, Fake.bodies = {}, []
     try:
         yield [f"http://127.0.0.1:{s.server_address[1]}/v1" for s in servers]
     finally:
@@ -286,6 +289,20 @@ def test_fake_servers_malformed_failing_and_good_answers(fakes, tmp_path, capsys
     summary = capsys.readouterr().out
     assert "5 written, 5 rejected (1 HTTP 400, 1 HTTP 500, 3 malformed answer;" in summary
     assert "30 tokens generated" in summary
+    # greedy: no sampling fields; the chat template's arguments in the body, as vLLM and SGLang read them
+    assert {k: v for k, v in Fake.bodies[0].items() if k != "messages"} == {
+        "model": "fake", "max_tokens": NEW, "temperature": 0.0, "chat_template_kwargs": {"enable_thinking": False}}
+
+    Fake.bodies = []
+    run({"input": str(path)}, tmp_path / "sampled.jsonl", base_url=fakes[0], limit=1, temperature=0.7, top_p=0.9,
+        top_k=20, seed=5, stop=["END"], enable_thinking=None)
+    assert {k: v for k, v in Fake.bodies[0].items() if k != "messages"} == {
+        "model": "fake", "max_tokens": NEW, "temperature": 0.7, "top_p": 0.9, "top_k": 20, "seed": 5, "stop": ["END"]}
+
+    async def in_a_notebook() -> list[dict]:  # a notebook's cell runs inside the kernel's event loop
+        return run({"input": str(path)}, tmp_path / "notebook.jsonl", base_url=fakes, limit=2)
+
+    assert [r["source_index"] for r in asyncio.run(in_a_notebook())] == [0, 1]
 
     # a server that fails every record stops the run instead of rejecting the whole data set
     path.write_text("".join(json.dumps({"messages": [user(f"down {i}")]}) + "\n" for i in range(6)))
