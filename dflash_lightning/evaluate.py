@@ -291,6 +291,9 @@ def evaluate_drafter(
 ) -> dict[str, Any]:
     """Measure a drafter by speculative decoding against the target alone; write report.json and report.png.
 
+    report.json holds the report of `evaluate` for the first temperature asked (the greedy one by default) and,
+    under `per_temperature` (keys as typed: "0", "0.6"), the report of every temperature.
+
     Args:
         drafter: Lightning `.ckpt` of a DFlashModule, or an exported Hugging Face drafter folder.
         prompts: JSONL file of prompts, `{"messages": [...]}` or `{"prompt": "..."}`, optional `"category"`.
@@ -327,8 +330,9 @@ def evaluate_drafter(
     runs = [evaluate(model, target_model, tokenizer, rows, max_new_tokens, enable_thinking=enable_thinking,
                      warmup=i == 0, temperature=t, top_p=top_p, top_k=top_k, seed=seed)
             for i, t in enumerate(temperatures)]
-    report = dict(drafter=str(drafter), target=str(target), device=str(device), dtype=dtype,
-                  max_new_tokens=max_new_tokens, top_p=top_p, top_k=top_k, seed=seed, runs=runs)
+    # The first temperature's report at the top (a default run's is the greedy one), every one by temperature.
+    report = {**runs[0], "per_temperature": {f"{run['temperature']:g}": run for run in runs}}
+    report.update(drafter=str(drafter), target=str(target), device=str(device), dtype=dtype)
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")

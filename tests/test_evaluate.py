@@ -42,11 +42,13 @@ def test_evaluate_command_end_to_end(tiny_target, prompts_file, tmp_path, capsys
           "--device", "cpu", "--dtype", "float32", *sampling])  # the target comes from the checkpoint
     report = json.loads((out / "report.json").read_text())
     assert (out / "report.png").stat().st_size > 1000
-    assert report["seed"] == 3 and report["top_k"] == 20 and [r["temperature"] for r in report["runs"]] == [0, 1]
-    greedy, sampled = report["runs"]
+    assert list(report["per_temperature"]) == ["0", "1"]
+    greedy, sampled = report["per_temperature"].values()
+    assert {k: v for k, v in report.items() if k in greedy} == greedy  # the first temperature's at the top
+    assert sampled["seed"] == 3 and sampled["top_k"] == 20 and sampled["temperature"] == 1
     assert greedy["mismatches"] == 0 and greedy["num_prompts"] == 4
     assert sampled["mismatches"] is None and sampled["num_prompts"] == 4  # samples differ from the target's by design
-    for run in report["runs"]:
+    for run in report["per_temperature"].values():
         assert sum(run["acceptance_histogram"]) == run["steps"] > 0
         assert len(run["acceptance_histogram"]) == 8 and len(run["slot_acceptance"]) == 7
         assert 1 <= run["tau_pooled"] <= 8 and 1 <= run["tau_prompt_mean"] <= 8 and run["speedup"] > 0
@@ -67,8 +69,8 @@ def test_evaluate_command_end_to_end(tiny_target, prompts_file, tmp_path, capsys
           str(tmp_path / "eval2"), "--max_new_tokens", "12", "--num_prompts", "2", "--device", "cpu",
           "--dtype", "float32", *sampling])
     report2 = json.loads((tmp_path / "eval2" / "report.json").read_text())
-    assert report2["runs"][0]["num_prompts"] == 2 and report2["runs"][0]["mismatches"] == 0
-    for run2, run in zip(report2["runs"], report["runs"], strict=True):
+    assert report2["num_prompts"] == 2 and report2["mismatches"] == 0
+    for run2, run in zip(report2["per_temperature"].values(), report["per_temperature"].values(), strict=True):
         for a, b in zip(run2["prompts"], run["prompts"][:2], strict=True):
             assert {k: v for k, v in a.items() if not k.endswith("seconds")} == \
                 {k: v for k, v in b.items() if not k.endswith("seconds")}
