@@ -1,7 +1,8 @@
-"""Evaluate a drafter by real greedy speculative decoding (DFLASH.md sections 5, 6): tau, acceptance, speedup.
+"""Evaluate a drafter by real speculative decoding, greedy or sampled (DFLASH.md sections 5, 6, 6b): tau, speedup.
 
 `evaluate` works on an in-memory drafter and Hugging Face target on any device (training-time validation
-calls it); `main` is `python -m dflash_lightning evaluate`, which also writes report.json and report.png.
+calls it); `evaluate_drafter` (`python -m dflash_lightning evaluate`) runs it per temperature asked for and writes
+report.json and report.png.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from dflash_lightning.hf.modeling_dflash import check_sampling
 from dflash_lightning.model import DFlashDrafter
 from dflash_lightning.speculative import SpeculativeDecoder
 
@@ -57,12 +59,20 @@ def evaluate(
     enable_thinking: bool = False,
     progress: bool = True,
     warmup: bool = True,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int = 0,
 ) -> dict[str, Any]:
-    """Speculative and target-only greedy decoding of every prompt; the report of `summarize`.
+    """Speculative and target-only decoding of every prompt (greedy at temperature 0, else sampled with top-p and
+    top-k); the report of `summarize` and the sampling settings.
 
     The drafter must sit on the target's device with its embedding and head attached (or it takes the
-    target's). `prompts` are rows with `messages` or `prompt` and an optional `category`.
+    target's). `prompts` are rows with `messages` or `prompt` and an optional `category`. Prompt i samples from
+    its own random stream `prompt_seed(seed, i)`, so a report is reproduced by its seed, prompt by prompt.
     """
+    check_sampling(temperature, top_p, top_k)
+    sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k)
     device = next(target_model.parameters()).device
     if drafter.fc.weight.device != device:
         raise ValueError(f"drafter is on {drafter.fc.weight.device}, the target on {device}")
@@ -72,24 +82,35 @@ def evaluate(
     stop = list(stop_ids) if stop_ids is not None else stop_token_ids(tokenizer, target_model)
     encoded = [torch.tensor(prompt_ids(tokenizer, row, enable_thinking), device=device) for row in prompts]
     if warmup and encoded:  # first calls pay for kernel selection and allocation, not decoding
-        decoder.generate(encoded[0], min(8, max_new_tokens), stop)
-        decoder.target_generate(encoded[0], min(8, max_new_tokens), stop)
+        decoder.generate(encoded[0], min(8, max_new_tokens), stop, **sampling)
+        decoder.target_generate(encoded[0], min(8, max_new_tokens), stop, **sampling)
     records = []
+    label = f"temperature {temperature:g}: speculative decoding" if temperature else "speculative decoding"
     with _progress(progress) as bar:
-        task = bar.add_task("speculative decoding", total=len(encoded))
-        for row, ids in zip(prompts, encoded, strict=True):
-            spec = decoder.generate(ids, max_new_tokens, stop)
-            base = decoder.target_generate(ids, max_new_tokens, stop)
+        task = bar.add_task(label, total=len(encoded))
+        for i, (row, ids) in enumerate(zip(prompts, encoded, strict=True)):
+            spec = decoder.generate(ids, max_new_tokens, stop, **sampling,
+                                    generator=_generator(device, prompt_seed(seed, i)) if temperature else None)
+            base = decoder.target_generate(ids, max_new_tokens, stop, **sampling,
+                                           generator=_generator(device, prompt_seed(seed, i)) if temperature else None)
             records.append({
                 "category": row.get("category"), "prompt_tokens": int(ids.numel()), "new_tokens": len(spec.tokens),
                 "steps": spec.steps, "accepted_lengths": spec.accepted_lengths, "step_tokens": spec.step_tokens,
-                "first_mismatch": first_mismatch(spec.tokens, base.tokens),
+                "expected_accepted": spec.expected_accepted,
+                # sampled outputs differ from the target's own samples by design; only greedy ones must be equal
+                "first_mismatch": first_mismatch(spec.tokens, base.tokens) if temperature == 0 else None,
                 "speculative_seconds": spec.seconds, "target_seconds": base.seconds,
             })
             tau = pooled_tau(records)
-            bar.update(task, advance=1, description=f"speculative decoding, tau {tau or 0:.2f}")
+            bar.update(task, advance=1, description=f"{label}, tau {tau or 0:.2f}")
     drafter.train(modes[0]), target_model.train(modes[1])
-    return summarize(records, drafter.config.block_size, max_new_tokens)
+    return {**summarize(records, drafter.config.block_size, max_new_tokens, greedy=temperature == 0),
+            **sampling, "seed": seed}
+
+
+def prompt_seed(seed: int, index: int) -> int:
+    """The seed of prompt `index`'s random stream in a report of seed `seed` (distinct for every pair)."""
+    return seed * 1_000_003 + index
 
 
 def first_mismatch(a: list[int], b: list[int]) -> int | None:
@@ -105,14 +126,19 @@ def pooled_tau(records: list[dict[str, Any]]) -> float | None:
     return sum(sum(r["step_tokens"]) for r in records) / steps if steps else None
 
 
-def summarize(records: list[dict[str, Any]], block_size: int, max_new_tokens: int) -> dict[str, Any]:
+def summarize(records: list[dict[str, Any]], block_size: int, max_new_tokens: int, greedy: bool = True
+              ) -> dict[str, Any]:
     """tau, acceptance histogram, per-slot acceptance, per-category tau, speedup and mismatches of per-prompt runs.
 
     tau counts per DFLASH.md section 6 (`step_tokens`: a + 1 per step, the last step only up to the stop token or
     the length limit): `tau_pooled` is all counted tokens over all steps, `tau_prompt_mean` the mean of each
     prompt's own tau (the reference benchmark prints both). The histogram and per-slot acceptance are of the
     accepted drafts a as verified. tokens_per_step is all new tokens (the prefill's included) over all decode
-    steps, what a serving engine gets per target forward.
+    steps, what a serving engine gets per target forward. `expected_tau_pooled` is the mean over steps of 1 + the
+    step's expected accepted count `sum_k prod_{i<=k} P_i(d_i)` (section 6b): a itself when greedy, the sampled
+    count's expectation, without its noise, when sampling; it counts the last step whole (its tokens past a stop
+    cannot be told apart in expectation), so it can exceed `tau_pooled` by that step's share. Mismatches with the
+    target alone are counted for greedy runs only (None when sampled).
     """
     accepted = [a for r in records for a in r["accepted_lengths"]]
     histogram = [accepted.count(a) for a in range(block_size)]
@@ -124,10 +150,12 @@ def summarize(records: list[dict[str, Any]], block_size: int, max_new_tokens: in
     def taus(rs: list[dict[str, Any]]) -> dict[str, Any]:
         per_prompt = [r["tau"] for r in rs if r["tau"] is not None]
         n_steps = sum(len(r["step_tokens"]) for r in rs)
+        expected = [e for r in rs for e in r["expected_accepted"]]
         return {
             "num_prompts": len(rs),
             "tau_pooled": pooled_tau(rs),
             "tau_prompt_mean": sum(per_prompt) / len(per_prompt) if per_prompt else None,
+            "expected_tau_pooled": 1 + sum(expected) / len(expected) if expected else None,
             "tokens_per_step": sum(r["new_tokens"] for r in rs) / n_steps if n_steps else None,
         }
 
@@ -136,7 +164,7 @@ def summarize(records: list[dict[str, Any]], block_size: int, max_new_tokens: in
         **taus(records),
         "block_size": block_size,
         "max_new_tokens": max_new_tokens,
-        "mismatches": sum(r["first_mismatch"] is not None for r in records),
+        "mismatches": sum(r["first_mismatch"] is not None for r in records) if greedy else None,
         "steps": steps,
         "new_tokens": sum(r["new_tokens"] for r in records),
         "acceptance_histogram": histogram,
@@ -149,44 +177,80 @@ def summarize(records: list[dict[str, Any]], block_size: int, max_new_tokens: in
     }
 
 
-def plot_report(report: dict[str, Any], path: str | Path) -> None:
-    """report.png: histogram of accepted lengths per step, and the per-slot acceptance rate P(accepted >= k)."""
+def plot_report(runs: list[dict[str, Any]], path: str | Path) -> None:
+    """report.png: the share of steps per accepted length, and the per-slot acceptance rate P(accepted >= k), one
+    series per temperature (`runs`: reports of `evaluate`)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    B = report["block_size"]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    left.bar(range(B), report["acceptance_histogram"], color="tab:blue")
-    left.set(xlabel="accepted draft tokens per step (tau - 1)", ylabel="steps", title="Acceptance lengths")
-    right.plot(range(1, B), [r if r is not None else float("nan") for r in report["slot_acceptance"]], "o-")
+    B = runs[0]["block_size"]
+    width = 0.8 / len(runs)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    titles = []
+    for i, run in enumerate(runs):
+        name = f"temperature {run['temperature']:g}"
+        steps = max(1, run["steps"])
+        left.bar([a - 0.4 + width * (i + 0.5) for a in range(B)], [n / steps for n in run["acceptance_histogram"]],
+                 width, label=name)
+        right.plot(range(1, B), [r if r is not None else float("nan") for r in run["slot_acceptance"]], "o-",
+                   label=name)
+        tau, mean, expected = run["tau_pooled"], run["tau_prompt_mean"], run["expected_tau_pooled"]
+        titles.append(f"T {run['temperature']:g}: tau {tau:.2f} pooled, {mean:.2f} prompt mean, {expected:.2f} "
+                      f"expected; {run['speedup']:.2f}x" if tau and run["speedup"] else
+                      f"T {run['temperature']:g}: no decode steps")
+    left.set(xlabel="accepted draft tokens per step (tau - 1)", ylabel="share of steps", title="Acceptance lengths")
     right.set(xlabel="slot k", ylabel="P(accepted >= k)", ylim=(0, 1.02), title="Per-slot acceptance")
-    tau, mean, speedup = report["tau_pooled"], report["tau_prompt_mean"], report["speedup"]
-    fig.suptitle(f"tau {tau:.2f} pooled over steps, {mean:.2f} mean of per-prompt means; speedup {speedup:.2f}x"
-                 if tau and speedup else "no decode steps")
+    left.legend(), right.legend()
+    fig.suptitle("\n".join(titles), fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def print_summary(report: dict[str, Any]) -> None:
-    """A short rich table of the report."""
+def print_summary(runs: list[dict[str, Any]]) -> None:
+    """A short rich table of the reports of `evaluate`, one block of rows per temperature."""
     from rich.console import Console
     from rich.table import Table
 
     def fmt(x: float | None, spec: str = ".3f") -> str:
         return "-" if x is None else format(x, spec)
 
-    table = Table(title="DFlash speculative decoding")
-    for col in ("prompts", "category", "tau pooled", "tau prompt mean", "tokens/step", "speedup", "mismatches"):
+    table = Table(title="DFlash speculative decoding", caption=(
+        "T: temperature. expected tau: 1 + sum_k prod_{i<=k} P_i(d_i) of the same verifications, pooled "
+        "(DFLASH.md 6b). mismatches: outputs unlike the target alone's (greedy only)."))
+    for col in ("T", "prompts", "category", "tau pooled", "tau prompt mean", "expected tau", "tokens/step", "speedup",
+                "mismatches"):
         table.add_column(col, justify="right")
-    table.add_row(str(report["num_prompts"]), "all", fmt(report["tau_pooled"]), fmt(report["tau_prompt_mean"]),
-                  fmt(report["tokens_per_step"]), fmt(report["speedup"], ".2f") + "x", str(report["mismatches"]))
-    for name, c in report["per_category"].items():
-        table.add_row(str(c["num_prompts"]), name, fmt(c["tau_pooled"]), fmt(c["tau_prompt_mean"]),
-                      fmt(c["tokens_per_step"]), "", "")
+    for run in runs:
+        mismatches = "-" if run["mismatches"] is None else str(run["mismatches"])
+        table.add_row(f"{run['temperature']:g}", str(run["num_prompts"]), "all", fmt(run["tau_pooled"]),
+                      fmt(run["tau_prompt_mean"]), fmt(run["expected_tau_pooled"]), fmt(run["tokens_per_step"]),
+                      fmt(run["speedup"], ".2f") + "x", mismatches)
+        for name, c in run["per_category"].items():
+            table.add_row("", str(c["num_prompts"]), name, fmt(c["tau_pooled"]), fmt(c["tau_prompt_mean"]),
+                          fmt(c["expected_tau_pooled"]), fmt(c["tokens_per_step"]), "", "")
     Console().print(table)
+
+
+def parse_temperatures(value: str | float | Sequence[float]) -> list[float]:
+    """Temperatures from `0,0.6,1` (or `[0, 0.6, 1]`, a number, a list); a bad entry is named."""
+    if isinstance(value, str):
+        items = [t.strip() for t in value.strip().strip("[]").split(",")]
+    else:
+        items = [value] if isinstance(value, int | float) else list(value)
+    temperatures = []
+    for item in items:
+        try:
+            t = float(item)
+        except (TypeError, ValueError):
+            raise ValueError(f"temperature: '{item}' is not a number (give e.g. 0,0.6,1)") from None
+        check_sampling(t)
+        temperatures.append(t)
+    if not temperatures or len(set(temperatures)) != len(temperatures):
+        raise ValueError(f"temperature: give distinct temperatures, got '{value}'")
+    return temperatures
 
 
 def read_prompts(path: str | Path, num_prompts: int | None = None) -> list[dict[str, Any]]:
@@ -220,8 +284,15 @@ def evaluate_drafter(
     device: str = "auto",
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16",
     enable_thinking: bool = False,
+    temperature: str | float = "0",
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int = 0,
 ) -> dict[str, Any]:
-    """Measure a drafter by greedy speculative decoding against the target alone; write report.json and report.png.
+    """Measure a drafter by speculative decoding against the target alone; write report.json and report.png.
+
+    report.json holds the report of `evaluate` for the first temperature asked (the greedy one by default) and,
+    under `per_temperature` (keys as typed: "0", "0.6"), the report of every temperature.
 
     Args:
         drafter: Lightning `.ckpt` of a DFlashModule, or an exported Hugging Face drafter folder.
@@ -233,12 +304,19 @@ def evaluate_drafter(
         device: Device of target and drafter; auto: cuda if available.
         dtype: Dtype of target and drafter.
         enable_thinking: Chat-template flag of thinking models (Qwen3); DFlash drafters are trained with it off.
+        temperature: Sampling temperature(s), comma-separated (`0,0.6,1`): a report per temperature; 0 is greedy.
+        top_p: Nucleus sampling: keep the smallest most likely set of tokens reaching this probability; 1: off.
+        top_k: Sample among the k most likely tokens only; 0: off.
+        seed: Seed of the random streams when sampling; the same seed gives the same tokens and tau.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dflash_lightning.export import build_drafter, read_drafter
     from dflash_lightning.target import DTYPES, resolve_model_dir
 
+    temperatures = parse_temperatures(temperature)
+    check_sampling(1.0, top_p, top_k)  # settings are refused before anything is loaded
+    rows = read_prompts(prompts, num_prompts)
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     cfg, state, ckpt_target = read_drafter(drafter)
@@ -249,15 +327,22 @@ def evaluate_drafter(
     model = build_drafter(cfg, state, target).to(device=device, dtype=DTYPES[dtype])
     target_model = AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPES[dtype]).to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    report = evaluate(model, target_model, tokenizer, read_prompts(prompts, num_prompts), max_new_tokens,
-                      enable_thinking=enable_thinking)
+    runs = [evaluate(model, target_model, tokenizer, rows, max_new_tokens, enable_thinking=enable_thinking,
+                     warmup=i == 0, temperature=t, top_p=top_p, top_k=top_k, seed=seed)
+            for i, t in enumerate(temperatures)]
+    # The first temperature's report at the top (a default run's is the greedy one), every one by temperature.
+    report = {**runs[0], "per_temperature": {f"{run['temperature']:g}": run for run in runs}}
     report.update(drafter=str(drafter), target=str(target), device=str(device), dtype=dtype)
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    plot_report(report, out_dir / "report.png")
-    print_summary(report)
+    plot_report(runs, out_dir / "report.png")
+    print_summary(runs)
     return report
+
+
+def _generator(device: torch.device, seed: int) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(seed)
 
 
 def _progress(enabled: bool):
@@ -268,5 +353,6 @@ def _progress(enabled: bool):
 
 
 __all__ = [
-    "evaluate", "evaluate_drafter", "plot_report", "pooled_tau", "prompt_ids", "read_prompts", "summarize",
+    "evaluate", "evaluate_drafter", "parse_temperatures", "plot_report", "pooled_tau", "prompt_ids", "prompt_seed",
+    "read_prompts", "summarize",
 ]

@@ -1,7 +1,8 @@
-"""Greedy speculative decoding with a DFlash drafter (DFLASH.md section 6), and the target alone as baseline.
+"""Speculative decoding with a DFlash drafter, greedy or sampled (DFLASH.md sections 6, 6b), and the target alone.
 
 The drafter keeps the K/V of every context vector per layer and projects each one once; a block's own
 K/V are never cached. The target keeps a Hugging Face KV cache that is cropped to the verified length.
+The verification rule is the exported modelling file's (`hf/modeling_dflash.py`), so both decode alike.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from dflash_lightning.hf.modeling_dflash import accepted_length, check_sampling, next_token, verify_drafts
 from dflash_lightning.model import DFlashDrafter
 
 
@@ -31,6 +33,8 @@ class Generation:
     """Wall time of the decode steps (prefill excluded)."""
     prefill_seconds: float = 0.0
     """Wall time of the prefill."""
+    expected_accepted: list[float] = field(default_factory=list)
+    """Expected accepted drafts of every decode step, `sum_k prod_{i<=k} P_k(d_k)` (a itself when greedy)."""
 
     @property
     def step_tokens(self) -> list[int]:
@@ -49,12 +53,6 @@ def counted_tokens(emitted: list[int], kept: int) -> list[int]:
         counts.append(max(0, min(n, kept)))
         kept -= counts[-1]
     return counts
-
-
-def accepted_length(draft: Tensor, posterior: Tensor) -> int:
-    """Drafts accepted: the longest prefix with `draft[k] == posterior[k-1]` (draft `[n]` of slots 1..n)."""
-    n = draft.numel()
-    return int((draft == posterior[:n]).long().cumprod(0).sum())
 
 
 class DraftContext:
@@ -96,7 +94,7 @@ class DraftContext:
 
 
 class SpeculativeDecoder:
-    """Greedy DFlash speculative decoding of one sequence with a Hugging Face causal LM as the target."""
+    """DFlash speculative decoding (greedy or sampled) of one sequence with a Hugging Face causal LM as the target."""
 
     def __init__(
         self, target_model: nn.Module, drafter: DFlashDrafter, layer_ids: list[int] | None = None,
@@ -128,11 +126,16 @@ class SpeculativeDecoder:
         return self.drafter.logits(hidden[1:]).argmax(-1)
 
     @torch.no_grad()
-    def generate(self, input_ids: Tensor, max_new_tokens: int, eos_token_id: int | Iterable[int] | None = None
-                 ) -> Generation:
-        """Greedy tokens after the prompt `input_ids [P]`; identical to `target_generate` by construction."""
+    def generate(
+        self, input_ids: Tensor, max_new_tokens: int, eos_token_id: int | Iterable[int] | None = None,
+        temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, generator: torch.Generator | None = None,
+    ) -> Generation:
+        """Tokens after the prompt `input_ids [P]`: at temperature 0 identical to `target_generate`, above it
+        distributed as `target_generate` with the same settings (`generator`: the random stream; None: torch's)."""
         from transformers import DynamicCache
 
+        check_sampling(temperature, top_p, top_k)
+        sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, generator=generator)
         stop = _stop_set(eos_token_id)
         input_ids = input_ids.flatten()
         device = input_ids.device
@@ -141,8 +144,8 @@ class SpeculativeDecoder:
         logits, features = self._target(input_ids, cache, logits_to_keep=1)
         context = DraftContext(self.drafter)
         context.extend(features, torch.arange(input_ids.numel(), device=device))
-        x = logits[-1].argmax()
-        tokens, accepted = [int(x)], []
+        x = next_token(logits[-1], **sampling)
+        tokens, accepted, expected = [int(x)], [], []
         t1 = _now(device)
         start = input_ids.numel()  # position of x, whose features the target has not made yet
         done = len(tokens) >= max_new_tokens or tokens[0] in stop
@@ -153,47 +156,52 @@ class SpeculativeDecoder:
             n = min(self.block_size, max_new_tokens - len(tokens))
             block = torch.cat([x[None], draft[: n - 1]])  # [n]
             logits, features = self._target(block, cache)
-            posterior = logits.argmax(-1)  # [n]: the target's token after each block token
-            a = accepted_length(block[1:], posterior)
+            a, bonus, expected_a = verify_drafts(block[1:], logits, **sampling)  # bonus: the token after a drafts
             _crop(cache, start + a + 1)  # drop the K/V of rejected drafts
             context.extend(features[: a + 1], torch.arange(start, start + a + 1, device=device))
-            new = block[1: a + 1].tolist() + [int(posterior[a])]
+            new = block[1: a + 1].tolist() + [int(bonus)]
             tokens += new
             accepted.append(a)
-            x, start = posterior[a], start + a + 1
+            expected.append(expected_a)
+            x, start = bonus, start + a + 1
             done = len(tokens) >= max_new_tokens or any(t in stop for t in new)
-        return Generation(_truncate(tokens, max_new_tokens, stop), accepted, len(accepted),
-                          _now(device) - t1, t1 - t0)
+        return Generation(_truncate(tokens, max_new_tokens, stop), accepted, len(accepted), _now(device) - t1,
+                          t1 - t0, expected)
 
     @torch.no_grad()
-    def target_generate(self, input_ids: Tensor, max_new_tokens: int,
-                        eos_token_id: int | Iterable[int] | None = None) -> Generation:
-        """Plain greedy decoding with the target alone and the same cache machinery (the speedup baseline)."""
-        return target_generate(self.target, input_ids, max_new_tokens, eos_token_id)
+    def target_generate(self, input_ids: Tensor, max_new_tokens: int, eos_token_id: int | Iterable[int] | None = None,
+                        **sampling) -> Generation:
+        """Plain decoding with the target alone and the same cache machinery (the speedup baseline)."""
+        return target_generate(self.target, input_ids, max_new_tokens, eos_token_id, **sampling)
 
 
 @torch.no_grad()
-def target_generate(target_model: nn.Module, input_ids: Tensor, max_new_tokens: int,
-                    eos_token_id: int | Iterable[int] | None = None) -> Generation:
-    """Greedy decoding with the target alone, one token per forward, through its KV cache."""
+def target_generate(
+    target_model: nn.Module, input_ids: Tensor, max_new_tokens: int, eos_token_id: int | Iterable[int] | None = None,
+    temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, generator: torch.Generator | None = None,
+) -> Generation:
+    """Decoding with the target alone, one token per forward, through its KV cache: greedy at temperature 0, else
+    sampled from its distribution with temperature, top-p and top-k applied."""
     from transformers import DynamicCache
 
+    check_sampling(temperature, top_p, top_k)
+    sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, generator=generator)
     stop = _stop_set(eos_token_id)
     input_ids = input_ids.flatten()
     device = input_ids.device
     t0 = _now(device)
     cache_arg = {_cache_arg(target_model): DynamicCache()}
     out = target_model(input_ids=input_ids[None], **cache_arg, use_cache=True, logits_to_keep=1)
-    x = out.logits[0, -1].argmax()
+    x = next_token(out.logits[0, -1], **sampling)
     tokens = [int(x)]
     t1 = _now(device)
     steps = 0
     while len(tokens) < max_new_tokens and tokens[-1] not in stop:  # one token per step: the last is the new one
         out = target_model(input_ids=x.view(1, 1), **cache_arg, use_cache=True)
-        x = out.logits[0, -1].argmax()
+        x = next_token(out.logits[0, -1], **sampling)
         tokens.append(int(x))
         steps += 1
-    return Generation(tokens, [], steps, _now(device) - t1, t1 - t0)
+    return Generation(tokens, steps=steps, seconds=_now(device) - t1, prefill_seconds=t1 - t0)
 
 
 def _cache_arg(model: nn.Module) -> str:

@@ -1,7 +1,8 @@
 """Real speculative decoding during `fit` (issue: served tau must be seen beside the training estimate).
 
 Every `every_n_steps` the drafter drafts for the full target on a few held-out prompts; the measured
-acceptance length is logged as `val/tau_served` next to `train/tau`, so a train/serve gap shows early.
+acceptance length is logged as `val/tau_served` next to `train/tau`, so a train/serve gap shows early
+(when sampling, as `val/tau_served_t<temperature>` beside the expected `val/tau_expected_t<temperature>`).
 """
 
 from __future__ import annotations
@@ -11,11 +12,12 @@ from typing import Any, Literal
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
+from dflash_lightning.hf.modeling_dflash import check_sampling
 from dflash_lightning.target import DTYPES, resolve_model_dir
 
 
 class SpeculativeValidation(Callback):
-    """Measures served tau by greedy speculative decoding with the full target, on global rank 0."""
+    """Measures served tau by speculative decoding (greedy, or sampled) with the full target, on global rank 0."""
 
     def __init__(
         self,
@@ -26,6 +28,10 @@ class SpeculativeValidation(Callback):
         target: str = "",
         dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16",
         enable_thinking: bool = False,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int = 0,
     ) -> None:
         """
         Args:
@@ -36,7 +42,14 @@ class SpeculativeValidation(Callback):
             target: Target folder or hub id (linked from `target.path` in the CLI).
             dtype: Dtype of the full target used for verification.
             enable_thinking: Chat-template flag of thinking models; drafters are trained with it off.
+            temperature: Sampling temperature of the decoding; 0: greedy (`val/tau_served`), else speculative
+                sampling logged as `val/tau_served_t<temperature>` and `val/tau_expected_t<temperature>`.
+            top_p: Nucleus sampling threshold when sampling; 1: off.
+            top_k: Sample among the k most likely tokens only; 0: off.
+            seed: Seed of the random streams when sampling, the same at every run (comparable runs).
         """
+        check_sampling(temperature, top_p, top_k)  # before any training
+        self.sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         self.prompts_path, self.every, self.num_prompts = prompts, every_n_steps, num_prompts
         self.max_new_tokens, self.target, self.dtype = max_new_tokens, target, dtype
         self.enable_thinking = enable_thinking
@@ -74,10 +87,18 @@ class SpeculativeValidation(Callback):
             self.tokenizer = AutoTokenizer.from_pretrained(folder)
         with torch.no_grad(), torch.autocast(pl_module.device.type, enabled=False):
             report = evaluate(drafter, self.model, self.tokenizer, self.prompts, self.max_new_tokens,
-                              enable_thinking=self.enable_thinking, progress=False, warmup=False)
+                              enable_thinking=self.enable_thinking, progress=False, warmup=False, **self.sampling)
         if log and report["tau_pooled"] is not None:  # CPU tensors: a float would be a device tensor read with a sync
-            pl_module.log("val/tau_served", torch.tensor(float(report["tau_pooled"])), rank_zero_only=True,
-                          prog_bar=True)
-            pl_module.log("val/speculative_mismatches", torch.tensor(float(report["mismatches"])), rank_zero_only=True)
+            for name, value in self.metrics(report).items():
+                pl_module.log(name, torch.tensor(float(value)), rank_zero_only=True,
+                              prog_bar=name.startswith("val/tau_served"))
         self.report = report
         return report
+
+    def metrics(self, report: dict[str, Any]) -> dict[str, float]:
+        """What a run logs: greedy `val/tau_served` and mismatches; sampled, names that carry the temperature."""
+        t = self.sampling["temperature"]
+        if t == 0:
+            return {"val/tau_served": report["tau_pooled"], "val/speculative_mismatches": report["mismatches"]}
+        return {f"val/tau_served_t{t:g}": report["tau_pooled"],
+                f"val/tau_expected_t{t:g}": report["expected_tau_pooled"]}

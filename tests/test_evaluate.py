@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash_lightning.commands.evaluate import main
 from dflash_lightning.config import DrafterConfig
-from dflash_lightning.evaluate import evaluate, first_mismatch, prompt_ids, summarize
+from dflash_lightning.evaluate import evaluate, first_mismatch, parse_temperatures, prompt_ids, summarize
 from dflash_lightning.export import export_checkpoint
 from dflash_lightning.model import DFlashDrafter
 from dflash_lightning.speculative import Generation
@@ -37,29 +37,43 @@ def test_evaluate_command_end_to_end(tiny_target, prompts_file, tmp_path, capsys
     monkeypatch.setenv("COLUMNS", "160")  # the summary table unwrapped
     checkpoint = make_checkpoint(tiny_target, tmp_path / "last.ckpt")
     out = tmp_path / "eval"
+    sampling = ["--temperature", "0,1", "--top_k", "20", "--seed", "3"]
     main(["--drafter", str(checkpoint), "--prompts", str(prompts_file), "--out", str(out), "--max_new_tokens", "12",
-          "--device", "cpu", "--dtype", "float32"])  # the target comes from the checkpoint
+          "--device", "cpu", "--dtype", "float32", *sampling])  # the target comes from the checkpoint
     report = json.loads((out / "report.json").read_text())
     assert (out / "report.png").stat().st_size > 1000
-    assert report["mismatches"] == 0 and report["num_prompts"] == 4
-    assert sum(report["acceptance_histogram"]) == report["steps"] > 0
-    assert len(report["acceptance_histogram"]) == 8 and len(report["slot_acceptance"]) == 7
-    assert 1 <= report["tau_pooled"] <= 8 and 1 <= report["tau_prompt_mean"] <= 8 and report["speedup"] > 0
-    for p in report["prompts"]:  # every new token but the prefill's is counted once, by some step
-        assert sum(p["step_tokens"]) == p["new_tokens"] - 1 and p["tau"] == sum(p["step_tokens"]) / p["steps"]
-    assert set(report["per_category"]) == {"chat", "code"} and report["per_category"]["chat"]["num_prompts"] == 2
+    assert list(report["per_temperature"]) == ["0", "1"]
+    greedy, sampled = report["per_temperature"].values()
+    assert {k: v for k, v in report.items() if k in greedy} == greedy  # the first temperature's at the top
+    assert sampled["seed"] == 3 and sampled["top_k"] == 20 and sampled["temperature"] == 1
+    assert greedy["mismatches"] == 0 and greedy["num_prompts"] == 4
+    assert sampled["mismatches"] is None and sampled["num_prompts"] == 4  # samples differ from the target's by design
+    for run in report["per_temperature"].values():
+        assert sum(run["acceptance_histogram"]) == run["steps"] > 0
+        assert len(run["acceptance_histogram"]) == 8 and len(run["slot_acceptance"]) == 7
+        assert 1 <= run["tau_pooled"] <= 8 and 1 <= run["tau_prompt_mean"] <= 8 and run["speedup"] > 0
+        assert 1 <= run["expected_tau_pooled"] <= 8
+        for p in run["prompts"]:  # every new token but the prefill's is counted once, by some step
+            assert sum(p["step_tokens"]) == p["new_tokens"] - 1 and p["tau"] == sum(p["step_tokens"]) / p["steps"]
+            assert len(p["expected_accepted"]) == p["steps"]
+        assert set(run["per_category"]) == {"chat", "code"} and run["per_category"]["chat"]["num_prompts"] == 2
+    # greedy: P_k(d_k) is 0 or 1, so the expected count is the accepted one (the last step counted whole)
+    assert greedy["expected_tau_pooled"] == pytest.approx(1 + sum(greedy["acceptance_histogram"][a] * a
+                                                                  for a in range(8)) / greedy["steps"])
     printed = capsys.readouterr().out  # the rich summary table
-    assert "tau pooled" in printed and "tau prompt mean" in printed
+    assert "tau pooled" in printed and "tau prompt mean" in printed and "expected tau" in printed
 
-    # an exported folder with an explicit target gives the same decoding
+    # an exported folder with an explicit target gives the same decoding, sampled ones too (the same seed)
     folder = export_checkpoint(checkpoint, tmp_path / "folder")
     main(["--drafter", str(folder), "--target", str(tiny_target), "--prompts", str(prompts_file), "--out",
           str(tmp_path / "eval2"), "--max_new_tokens", "12", "--num_prompts", "2", "--device", "cpu",
-          "--dtype", "float32"])
+          "--dtype", "float32", *sampling])
     report2 = json.loads((tmp_path / "eval2" / "report.json").read_text())
     assert report2["num_prompts"] == 2 and report2["mismatches"] == 0
-    for a, b in zip(report2["prompts"], report["prompts"][:2], strict=True):
-        assert a["accepted_lengths"] == b["accepted_lengths"] and a["new_tokens"] == b["new_tokens"]
+    for run2, run in zip(report2["per_temperature"].values(), report["per_temperature"].values(), strict=True):
+        for a, b in zip(run2["prompts"], run["prompts"][:2], strict=True):
+            assert {k: v for k, v in a.items() if not k.endswith("seconds")} == \
+                {k: v for k, v in b.items() if not k.endswith("seconds")}
 
 
 def test_evaluate_in_memory_drafter_without_target_io(tiny_target):
@@ -84,16 +98,27 @@ def test_prompt_rows_become_chat_prompts(tiny_target):
         prompt_ids(tokenizer, {"text": "hi"})
 
 
+def test_temperatures_are_parsed_and_checked(prompts_file, tmp_path):
+    assert parse_temperatures("0,0.6,1") == parse_temperatures("[0, 0.6, 1]") == parse_temperatures([0, 0.6, 1.0])
+    assert parse_temperatures(0.7) == [0.7] and parse_temperatures("0") == [0.0]
+    for bad, message in (("0,hot", "'hot' is not a number"), ("0.6,-1", "temperature must be >= 0"),
+                         ("1,1", "distinct")):
+        with pytest.raises(ValueError, match=message):
+            parse_temperatures(bad)
+    with pytest.raises(ValueError, match="top_p must be in"):  # refused before anything is loaded
+        main(["--drafter", str(tmp_path / "nowhere"), "--prompts", str(prompts_file), "--top_p", "0"])
+
+
 def test_first_mismatch():
     assert first_mismatch([1, 2, 3], [1, 2, 3]) is None
     assert first_mismatch([1, 2, 3], [1, 5, 3]) == 1
     assert first_mismatch([1, 2], [1, 2, 3]) == 2
 
 
-def record(category, accepted, step_tokens, new_tokens, mismatch=None, spec_s=1.0, target_s=1.0):
+def record(category, accepted, step_tokens, new_tokens, mismatch=None, spec_s=1.0, target_s=1.0, expected=None):
     return {"category": category, "new_tokens": new_tokens, "steps": len(accepted), "accepted_lengths": accepted,
             "step_tokens": step_tokens, "first_mismatch": mismatch, "speculative_seconds": spec_s,
-            "target_seconds": target_s}
+            "target_seconds": target_s, "expected_accepted": expected or [float(a) for a in accepted]}
 
 
 def test_summary_arithmetic():
@@ -106,6 +131,15 @@ def test_summary_arithmetic():
     assert r["speedup"] == 2.0 and r["mismatches"] == 1
     assert r["per_category"]["a"]["tau_pooled"] == 7 / 3 and r["per_category"]["b"]["tau_pooled"] == 4
     assert [p["tau"] for p in r["prompts"]] == [7 / 3, 4] and "tau" not in records[0]  # input left as it was
+    assert r["expected_tau_pooled"] == 1 + 7 / 4  # greedy: the accepted counts themselves
+
+
+def test_expected_tau_and_sampled_mismatches():
+    records = [record("a", [0, 3, 1], [1, 4, 2], 8, expected=[0.5, 2.0, 1.0]), record("b", [3], [4], 5,
+                                                                                        expected=[2.5])]
+    r = summarize(records, block_size=4, max_new_tokens=8, greedy=False)
+    assert r["expected_tau_pooled"] == 1 + 6 / 4 and r["per_category"]["a"]["expected_tau_pooled"] == 1 + 3.5 / 3
+    assert r["mismatches"] is None  # a sampled run is not compared token for token
 
 
 STOP = 2
@@ -154,3 +188,32 @@ def test_bad_prompts_file_names_file_and_line(tmp_path):
     path.write_text('{"prompt": "a"}\n\n{"text": "b"}\n')
     with pytest.raises(ValueError, match=r"p\.jsonl:3: a prompt row needs"):
         read_prompts(path)
+
+
+class LogRecorder:
+    """What spec_eval needs of a trainer and a module, recording what it logs."""
+
+    def __init__(self, drafter) -> None:
+        self.drafter, self.device, self.is_global_zero, self.global_step = drafter, torch.device("cpu"), True, 2
+        self.logged: dict[str, float] = {}
+
+    def log(self, name, value, **kwargs) -> None:
+        self.logged[name] = float(value)
+
+
+@pytest.mark.parametrize("temperature,names", [
+    (0.0, {"val/tau_served", "val/speculative_mismatches"}),
+    (0.6, {"val/tau_served_t0.6", "val/tau_expected_t0.6"}),
+])
+def test_spec_eval_logs_each_temperature_under_its_own_name(tiny_target, prompts_file, temperature, names):
+    from dflash_lightning.validation import SpeculativeValidation
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32)
+    cfg = DrafterConfig(num_layers=1, block_size=4, mask_token_id=52, gamma=4.0).resolved(target.config)
+    callback = SpeculativeValidation(str(prompts_file), every_n_steps=2, num_prompts=2, max_new_tokens=6,
+                                     target=str(tiny_target), dtype="float32", temperature=temperature)
+    recorder = LogRecorder(DFlashDrafter(cfg))
+    callback.run(recorder, recorder)
+    assert set(recorder.logged) == names and all(v >= 0 for v in recorder.logged.values())
+    with pytest.raises(ValueError, match="top_k"):
+        SpeculativeValidation(str(prompts_file), every_n_steps=2, temperature=1.0, top_k=-1)

@@ -15,7 +15,7 @@ from dflash_lightning.commands.export import main
 from dflash_lightning.config import ConfigError, DrafterConfig
 from dflash_lightning.export import export_checkpoint, import_folder, load_drafter, write_folder
 from dflash_lightning.model import DFlashDrafter
-from dflash_lightning.speculative import target_generate
+from dflash_lightning.speculative import SpeculativeDecoder, target_generate
 from dflash_lightning.target import load_target_io
 
 
@@ -230,3 +230,26 @@ def test_exported_spec_generate_is_lossless(tiny_target, tmp_path):
         ids = torch.randint(4, 40, (5 + 3 * i,), generator=g)
         out = served.spec_generate(target, ids[None], max_new_tokens=20, stop_token_ids=[2])
         assert out[0, ids.numel():].tolist() == target_generate(target, ids, 20, 2).tokens
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=0.7, top_p=0.9, top_k=8)])
+def test_exported_spec_generate_samples_as_the_decoder(tiny_target, tmp_path, sampling):
+    """Sampled `spec_generate` gives the project decoder's tokens for the same seed (both run the one verification
+    rule of the modelling file, whose losslessness tests/test_speculative.py checks statistically)."""
+    target = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
+    drafter = parity_drafter(tiny_target, torch.float32)
+    served = AutoModel.from_pretrained(write_folder(drafter.config, drafter.state_dict(), tmp_path / "d"),
+                                       trust_remote_code=True).eval()
+    decoder = SpeculativeDecoder(target, drafter)
+    g = torch.Generator().manual_seed(0)
+    outputs = set()
+    for seed in range(4):
+        ids = torch.randint(4, 40, (5 + seed,), generator=g)
+        out = served.spec_generate(target, ids[None], max_new_tokens=20, stop_token_ids=[2], **sampling,
+                                   generator=torch.Generator().manual_seed(seed))
+        ours = decoder.generate(ids, 20, 2, **sampling, generator=torch.Generator().manual_seed(seed))
+        assert out[0, ids.numel():].tolist() == ours.tokens
+        outputs.add(tuple(ours.tokens))
+    assert len(outputs) == 4
+    with pytest.raises(ValueError, match="top_p"):
+        served.spec_generate(target, ids[None], max_new_tokens=4, temperature=1.0, top_p=1.5)

@@ -1,13 +1,17 @@
-"""Speculative decoding is lossless, the accept rule is the contract's, cached drafting equals training."""
+"""Speculative decoding is lossless (greedy: token for token; sampled: in distribution, by exact chi-square tests),
+the accept rule is the contract's, cached drafting equals training."""
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
 from helpers import packed_batch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from dflash_lightning.config import DrafterConfig
+from dflash_lightning.hf.modeling_dflash import sampling_probs, verify_drafts
 from dflash_lightning.model import DFlashDrafter
 from dflash_lightning.speculative import DraftContext, SpeculativeDecoder, accepted_length, target_generate
 from dflash_lightning.target import load_target_io
@@ -56,6 +60,7 @@ def test_random_drafter_is_lossless(target, block_size):
         assert 1 + sum(a + 1 for a in spec.accepted_lengths) >= len(spec.tokens) > sum(spec.accepted_lengths)
         assert all(0 <= a < block_size for a in spec.accepted_lengths)
         assert spec.steps == len(spec.accepted_lengths)
+        assert spec.expected_accepted == [float(a) for a in spec.accepted_lengths]  # greedy: P_k(d_k) is 0 or 1
 
 
 class OracleDecoder(SpeculativeDecoder):
@@ -137,3 +142,118 @@ def test_cached_drafting_equals_training_forward(tiny_target, target):
         cached = context.block_hidden(block, p - s)
         torch.testing.assert_close(cached, hidden[a], rtol=1e-6, atol=1e-6)  # RoPE angles are fp32
         torch.testing.assert_close(drafter.logits(cached), drafter.logits(hidden[a]), rtol=1e-6, atol=1e-6)
+
+
+# -- speculative sampling (DFLASH.md section 6b) ---------------------------------------------------------------------
+
+def chi_square_p(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> float:
+    """p-value of observed `counts` against exact cell probabilities; cells expected below `min_expected` pooled."""
+    counts, expected = counts.double().flatten(), probs.double().flatten() * counts.sum()
+    assert abs(float(probs.sum()) - 1) < 1e-5
+    big = expected >= min_expected
+    obs = torch.cat([counts[big], counts[~big].sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    assert float(counts[expected == 0].sum()) == 0, "a sample fell where the target puts no mass"
+    keep = exp > 0
+    stat, df = float(((obs - exp)[keep] ** 2 / exp[keep]).sum()), int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def test_sampling_distribution_by_hand():
+    logits = torch.tensor([0.5, 0.25, 0.15, 0.1]).log()[None]
+    torch.testing.assert_close(sampling_probs(logits, 1.0)[0], torch.tensor([0.5, 0.25, 0.15, 0.1]))
+    squared = torch.tensor([0.25, 0.0625, 0.0225, 0.01])
+    torch.testing.assert_close(sampling_probs(logits, 0.5)[0], squared / squared.sum())  # p^(1/T), renormalised
+    torch.testing.assert_close(sampling_probs(logits, 1.0, top_k=3)[0], torch.tensor([0.5, 0.25, 0.15, 0]) / 0.9)
+    # top-p keeps the smallest most likely set reaching p: 0.5 + 0.25 >= 0.7
+    torch.testing.assert_close(sampling_probs(logits, 1.0, top_p=0.7)[0], torch.tensor([2 / 3, 1 / 3, 0, 0]))
+    torch.testing.assert_close(sampling_probs(logits, 1.0, top_p=0.76)[0], torch.tensor([0.5, 0.25, 0.15, 0]) / 0.9)
+    # temperature first, then top-k, then top-p: squared mass [0.725, 0.181, ...] keeps one token at top_p 0.7
+    torch.testing.assert_close(sampling_probs(logits, 0.5, top_k=3, top_p=0.7)[0], torch.tensor([1.0, 0, 0, 0]))
+    for bad, name in ((dict(temperature=-1.0), "temperature"), (dict(temperature=1.0, top_p=0.0), "top_p"),
+                      (dict(temperature=1.0, top_k=-2), "top_k"), (dict(temperature=0.0), "greedy")):
+        with pytest.raises(ValueError, match=name):
+            sampling_probs(logits, **bad)
+
+
+def first_disagreement_probs(draft: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """Target-only sampling of n tokens, by where it first leaves the draft: cell [j, t] = drafts 1..j followed,
+    then token t (t != d_{j+1} unless all n-1 were followed). Written from the target's chain rule alone."""
+    n, V = probs.shape
+    cells = torch.zeros(n, V, dtype=torch.float64)
+    followed = 1.0
+    for j in range(n):
+        cells[j] = followed * probs[j].double()
+        if j < n - 1:
+            cells[j, draft[j]] = 0.0  # following d_{j+1} is counted in later rows
+            followed *= float(probs[j, draft[j]])
+    return cells
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=0.7, top_k=4, top_p=0.9)])
+def test_verification_step_is_lossless_exactly(sampling):
+    """One verification's emitted tokens (accepted drafts, then the residual or bonus sample) are distributed as the
+    target's own samples; the expected accepted count is the mean of the sampled one."""
+    g = torch.Generator().manual_seed(0)
+    logits = 2 * torch.randn(4, 7, generator=g)  # the target after each of 4 block tokens
+    probs = sampling_probs(logits, **sampling)
+    order = probs.argsort(-1, descending=True)
+    draft = torch.stack([order[0, 0], order[1, 1], order[2, -1]])  # likely, less likely, and (top-k) impossible
+    expected = first_disagreement_probs(draft, probs)
+    counts, accepted = torch.zeros(4, 7), []
+    for _ in range(4000):
+        a, token, expected_a = verify_drafts(draft, logits, **sampling, generator=g)
+        counts[a, token] += 1
+        accepted.append(a)
+    assert chi_square_p(counts, expected) > 1e-3
+    mean_a = float(expected[1:].sum(-1) @ torch.arange(1.0, 4, dtype=torch.float64))
+    assert expected_a == pytest.approx(mean_a, rel=1e-5)  # sum_k prod_{i<=k} P_i(d_i) = E[a]
+    assert sum(accepted) / len(accepted) == pytest.approx(mean_a, abs=4 * 1.5 / len(accepted) ** 0.5)
+
+
+class TableDecoder(SpeculativeDecoder):
+    """Drafts a fixed continuation per block token (the real drafting path runs too): some drafts likely, some not."""
+
+    def __init__(self, target_model, drafter, table: dict[int, list[int]]) -> None:
+        super().__init__(target_model, drafter)
+        self.table = table
+
+    def draft(self, context, x, start):
+        super().draft(context, x, start)
+        return torch.tensor(self.table[int(x)], device=x.device)
+
+
+def test_speculative_sampling_is_lossless():
+    """The decoder's sequences at temperature 1 follow the target's exact sequence distribution (chi-square over
+    all V^L sequences, rare ones pooled); sampling the residual from P instead of P without d_k fails it
+    (p < 1e-40 at these sizes, checked once by breaking the rule)."""
+    V, L, B, samples = 5, 5, 4, 400
+    config = Qwen3Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=64,
+                         tie_word_embeddings=False)
+    torch.manual_seed(0)
+    target = Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():
+        target.lm_head.weight.mul_(20)  # about 1 nat per token: neither uniform nor a point mass
+    prompt = torch.tensor([1, 3, 2])
+    # the exact distribution of L sampled tokens, from one forward over every (L-1)-token prefix
+    prefixes = torch.tensor(list(itertools.product(range(V), repeat=L - 1)))  # [V^(L-1), L-1]
+    with torch.no_grad():
+        logits = target(input_ids=torch.cat([prompt.expand(len(prefixes), -1), prefixes], 1)).logits
+    probs = sampling_probs(logits[:, prompt.numel() - 1:].reshape(-1, V), 1.0).view(len(prefixes), L, V).double()
+    rows = torch.arange(len(prefixes))
+    exact = probs[:, -1] * probs[rows[:, None], torch.arange(L - 1), prefixes].prod(-1, keepdim=True)  # [V^(L-1), V]
+    # drafts: the target's greedy continuation of prompt + x, right often at the first slots and less later
+    table = {x: target_generate(target, torch.cat([prompt, torch.tensor([x])]), B - 1).tokens for x in range(V)}
+    drafter = DFlashDrafter(DrafterConfig(num_layers=1, block_size=B, mask_token_id=V - 1, gamma=4.0).resolved(config))
+    decoder = TableDecoder(target, drafter.eval(), table)
+    g = torch.Generator().manual_seed(0)
+    counts, accepted = torch.zeros(V ** L), []
+    for _ in range(samples):
+        out = decoder.generate(prompt, L, temperature=1.0, generator=g)
+        assert len(out.tokens) == L
+        counts[sum(t * V ** (L - 1 - i) for i, t in enumerate(out.tokens))] += 1
+        accepted += out.accepted_lengths
+    assert min(accepted) == 0 and max(accepted) == B - 1  # rejections, and steps that took the bonus token
+    assert chi_square_p(counts, exact.flatten()) > 1e-3

@@ -2,7 +2,9 @@
 
 Self-contained on purpose (torch and transformers only): it is copied next to `config.json` and
 `model.safetensors` by `dflash_lightning.export`. Block queries attend densely, with no mask, over
-[context K/V; block K/V]: the caller passes only the context that the block may see.
+[context K/V; block K/V]: the caller passes only the context that the block may see. The verification
+rule (greedy, and speculative sampling of DFLASH.md section 6b) lives here too; dflash_lightning's own
+decoder imports it, so served and evaluated decoding share one implementation.
 """
 
 from __future__ import annotations
@@ -13,7 +15,76 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel, Qwen3Config
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
+
+
+def check_sampling(temperature: float, top_p: float = 1.0, top_k: int = 0) -> None:
+    """Refuse sampling settings outside their range, naming the setting."""
+    if not temperature >= 0:
+        raise ValueError(f"temperature must be >= 0 (0: greedy), got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1] (1: off), got {top_p}")
+    if top_k < 0 or int(top_k) != top_k:
+        raise ValueError(f"top_k must be an integer >= 0 (0: off), got {top_k}")
+
+
+def sampling_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0) -> torch.Tensor:
+    """The target's sampling distribution `P` of logits `[n, V]` (fp32): temperature, then top-k, then top-p.
+
+    transformers' own warpers, in the order `generate` applies them, so `P` is what the target alone samples from.
+    """
+    check_sampling(temperature, top_p, top_k)
+    if temperature == 0:
+        raise ValueError("temperature 0 is greedy decoding: it has no sampling distribution")
+    scores = TemperatureLogitsWarper(temperature)(None, logits.float())
+    if top_k:
+        scores = TopKLogitsWarper(int(top_k))(None, scores)
+    if top_p < 1:
+        scores = TopPLogitsWarper(top_p)(None, scores)
+    return scores.softmax(-1)
+
+
+def next_token(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+               generator: torch.Generator | None = None) -> torch.Tensor:
+    """The target's next token after logits `[V]`: argmax at temperature 0, else a sample of `P`.  # [] long"""
+    if temperature == 0:
+        return logits.argmax(-1)
+    return torch.multinomial(sampling_probs(logits[None], temperature, top_p, top_k)[0], 1, generator=generator)[0]
+
+
+def accepted_length(draft: torch.Tensor, posterior: torch.Tensor) -> int:
+    """Greedy acceptance: the longest prefix with `draft[k] == posterior[k-1]` (draft `[n]` of slots 1..n)."""
+    n = draft.numel()
+    return int((draft == posterior[:n]).long().cumprod(0).sum())
+
+
+def verify_drafts(
+    draft: torch.Tensor, logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+    generator: torch.Generator | None = None,
+) -> tuple[int, torch.Tensor, float]:
+    """One verification (DFLASH.md sections 6 and 6b): accepted drafts a, the token emitted after them, and the
+    expected accepted count `sum_k prod_{i<=k} P_i(d_i)`.
+
+    `draft` `[n-1]` are the argmax proposals of slots 1..n-1, `logits` `[n, V]` the target's after each of the n
+    verified block tokens. Greedy (temperature 0) accepts while the draft is the target's argmax, and the expected
+    count is a itself. Sampling accepts `d_k` with probability `P_k(d_k)`; the first rejected slot emits a sample of
+    `P_k` without `d_k`, and after all n-1 accepted the bonus token is a sample of the next `P`.
+    """
+    if temperature == 0:
+        posterior = logits.argmax(-1)  # [n]
+        a = accepted_length(draft, posterior)
+        return a, posterior[a], float(a)
+    probs = sampling_probs(logits, temperature, top_p, top_k)  # [n, V]
+    p_draft = probs[:-1].gather(-1, draft[:, None])[:, 0]  # [n-1]: P_k(d_k)
+    # u < p holds with probability p for u uniform in [0, 1); all n-1 coins are drawn so the stream per step is fixed.
+    coins = torch.rand(p_draft.shape, generator=generator, device=p_draft.device) < p_draft
+    a, expected = torch.stack([coins.float().cumprod(0).sum(), p_draft.cumprod(0).sum()]).tolist()  # one host sync
+    a = int(a)
+    p = probs[a]
+    if a < draft.numel():  # d_{a+1} rejected: the residual, P without it (multinomial renormalises)
+        p = p.index_fill(0, draft[a: a + 1], 0.0)
+    return a, torch.multinomial(p, 1, generator=generator)[0], expected
 
 
 class DFlashAttention(nn.Module):
@@ -130,14 +201,16 @@ class DFlashDraftModel(PreTrainedModel):
     @torch.no_grad()
     def spec_generate(
         self, target: nn.Module, input_ids: torch.LongTensor, max_new_tokens: int,
-        stop_token_ids: list[int] | None = None, temperature: float = 0.0,
+        stop_token_ids: list[int] | None = None, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+        generator: torch.Generator | None = None,
     ) -> torch.LongTensor:
-        """Greedy speculative decoding of one prompt `[1, P]` with the target; returns `[1, P + new]`.
+        """Speculative decoding of one prompt `[1, P]` with the target; returns `[1, P + new]`.
 
-        The output equals the target's own greedy decoding token for token.
+        Temperature 0: the target's own greedy decoding token for token. Temperature > 0 (with top-p, top-k):
+        speculative sampling, distributed exactly as sampling from the target alone (`generator`: the random stream).
         """
-        if temperature > 0:
-            raise NotImplementedError("this drafter file implements greedy decoding (temperature 0) only")
+        check_sampling(temperature, top_p, top_k)
+        sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, generator=generator)
         self.eval()
         B, device, stop = self.block_size, input_ids.device, set(stop_token_ids or [])
         embed, head = target.get_input_embeddings(), target.get_output_embeddings()
@@ -147,7 +220,7 @@ class DFlashDraftModel(PreTrainedModel):
         out = target(input_ids=input_ids, **{cache_arg: target_cache}, use_cache=True, output_hidden_states=True,
                      logits_to_keep=1)
         context = self.target_features(out.hidden_states)  # [1, P, K*H]
-        tokens = [int(out.logits[0, -1].argmax())]
+        tokens = [int(next_token(out.logits[0, -1], **sampling))]
         start = input_ids.shape[1]  # position of the newest token, whose features are not known yet
         done = max_new_tokens <= 1 or tokens[0] in stop
         while not done:
@@ -160,9 +233,8 @@ class DFlashDraftModel(PreTrainedModel):
             block[0, 1:] = head(hidden[:, 1:].to(head.weight.dtype)).argmax(-1)
             block = block[:, : min(B, max_new_tokens - len(tokens))]  # verify only tokens still wanted
             out = target(input_ids=block, **{cache_arg: target_cache}, use_cache=True, output_hidden_states=True)
-            posterior = out.logits[0].argmax(-1)
-            a = int((block[0, 1:] == posterior[:-1]).long().cumprod(0).sum())
-            new = block[0, 1: a + 1].tolist() + [int(posterior[a])]
+            a, bonus, _ = verify_drafts(block[0, 1:], out.logits[0], **sampling)
+            new = block[0, 1: a + 1].tolist() + [int(bonus)]
             tokens += new
             start += a + 1
             _crop(target_cache, start)
@@ -183,4 +255,6 @@ def _crop(cache, length: int) -> None:
         cache.crop(-remove)
 
 
-__all__ = ["DFlashDraftModel"]
+__all__ = [
+    "DFlashDraftModel", "accepted_length", "check_sampling", "next_token", "sampling_probs", "verify_drafts",
+]
