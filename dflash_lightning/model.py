@@ -261,9 +261,11 @@ class DFlashDrafter(nn.Module):
         pos_block = (position_ids[anchors][:, None] + torch.arange(B, device=anchors.device)).flatten()
         rope_block = self.rotary(pos_block, x.dtype)
         rope_context = self.rotary(position_ids, x.dtype)
-        block_mask = build_block_mask(doc_ids, anchors, anchor_valid, B)
-        for layer in self.layers:
-            x = layer(x, context, rope_block, rope_context, block_mask)
+        rules = [self.config.attention_rule(i) for i in range(len(self.layers))]
+        # One mask per rule (full, sliding), built once per step and shared by the layers of that rule.
+        masks = {rule: build_block_mask(doc_ids, anchors, anchor_valid, B, *rule) for rule in dict.fromkeys(rules)}
+        for layer, rule in zip(self.layers, rules, strict=True):
+            x = layer(x, context, rope_block, rope_context, masks[rule])
         return self.norm(x).unflatten(0, (anchors.numel(), B))
 
     def forward(
