@@ -121,10 +121,11 @@ class Attention(nn.Module):
         out = _flex(q.transpose(0, 1)[None], k, v, block_mask)  # [1, heads, A*B, D]
         return self.o_proj(out[0].transpose(0, 1).flatten(1))
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """Dense attention of `q [N, heads, D]` over all of `k, v [M, kv_heads, D]` (serving path)."""
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
+        """Dense attention of `q [N, heads, D]` over `k, v [M, kv_heads, D]`, all or `mask [N, M]` (serving path)."""
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], enable_gqa=True
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask,
+            enable_gqa=True,
         )
         return self.o_proj(out[0].transpose(0, 1).flatten(1))
 
