@@ -153,7 +153,6 @@ def tiled_block_mask(
     must be contiguous, as packing makes them.
     """
     T, A, B = doc_ids.numel(), anchors.numel(), block_size
-    queries, keys = A * B, T + A * B
     device = doc_ids.device
     position = torch.arange(T, device=device)
     new_doc = torch.ones(T, dtype=torch.bool, device=device)
@@ -172,13 +171,25 @@ def tiled_block_mask(
     blk_hi = i + 1 if causal else (i + window if window is not None else torch.full_like(i, B))
     blk_base = T + torch.arange(A, device=device).repeat_interleave(B) * B
     blk_lo, blk_hi = blk_base + blk_lo.clamp(0, B), blk_base + blk_hi.clamp(0, B)
-    tile_lo = torch.arange(0, keys, tile, device=device)  # [Kt]
+    return interval_block_mask(
+        [(ctx_lo, ctx_hi), (blk_lo, blk_hi)], T + A * B, tile,
+        block_mask_mod(doc_ids, anchors, anchor_valid, block_size, window, causal),
+    )
+
+
+def interval_block_mask(intervals: list[tuple[Tensor, Tensor]], keys: int, tile: int, mask_mod) -> BlockMask:
+    """The BlockMask of a mask whose visible keys of each query are disjoint ranges `[lo, hi)` (each `[Q]`).
+
+    A tile is full when every query row of it sees all its keys, partial when some see some; the rest are
+    skipped. Fixed shapes, no host sync; the tiles equal `create_block_mask`'s of the same `mask_mod`.
+    """
+    queries = intervals[0][0].numel()
+    tile_lo = torch.arange(0, keys, tile, dtype=torch.int32, device=intervals[0][0].device)  # [Kt]
     tile_hi = (tile_lo + tile).clamp(max=keys)
-
-    def overlap(lo: Tensor, hi: Tensor) -> Tensor:  # keys of [lo, hi) in each key tile  # [A*B, Kt]
-        return (torch.minimum(hi[:, None], tile_hi) - torch.maximum(lo[:, None], tile_lo)).clamp(min=0)
-
-    seen = overlap(ctx_lo, ctx_hi) + overlap(blk_lo, blk_hi)  # [A*B, Kt]
+    seen = sum(  # keys of each query's ranges in each key tile (int32: [Q, Kt] is 16M at a 32K budget)  # [Q, Kt]
+        (torch.minimum(hi.int()[:, None], tile_hi) - torch.maximum(lo.int()[:, None], tile_lo)).clamp(min=0)
+        for lo, hi in intervals
+    )
     q_tiles = -(-queries // tile)
     pad = q_tiles * tile - queries  # rows past the queries count as seeing nothing, as in create_block_mask
     rows_any = F.pad(seen > 0, (0, 0, 0, pad)).unflatten(0, (q_tiles, tile))
@@ -192,7 +203,5 @@ def tiled_block_mask(
         return count, order
 
     return BlockMask.from_kv_blocks(
-        *as_kv_blocks(partial), *as_kv_blocks(full), BLOCK_SIZE=tile,
-        mask_mod=block_mask_mod(doc_ids, anchors, anchor_valid, block_size, window, causal),
-        seq_lengths=(queries, keys),
+        *as_kv_blocks(partial), *as_kv_blocks(full), BLOCK_SIZE=tile, mask_mod=mask_mod, seq_lengths=(queries, keys),
     )
