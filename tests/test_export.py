@@ -197,8 +197,13 @@ SLIDING = {"layer_types": ["sliding_attention", "full_attention"], "sliding_wind
 SLIDING_BIDIR = {"layer_types": ["sliding_attention", "sliding_attention"], "sliding_window": 4, "is_causal": False}
 
 
+YARN = {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
+        "max_position_embeddings": 512}  # as configs/qwen3-8b-long.yaml, scaled down
+
+
 @pytest.mark.parametrize("dtype,attention", [
     (torch.float32, {}), (torch.bfloat16, {}), (torch.float32, SLIDING), (torch.float32, SLIDING_BIDIR),
+    (torch.float32, {**SLIDING, **YARN}),
 ])
 def test_exported_folder_drafts_what_training_trained(tiny_target, tmp_path, dtype, attention):
     """AutoModel + the modelling file's forward, fed as engines feed it, equals DFlashDrafter.block_hidden."""
