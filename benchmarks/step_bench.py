@@ -5,6 +5,12 @@ weights (no download). Reproduce on an H200 with:
 
     python benchmarks/step_bench.py --out benchmarks/results/h200.json
 
+Long context (configs/qwen3-8b-long.yaml's shape: 32K-token rows of long documents, 2048 anchors, four W=2048
+sliding layers):
+
+    python benchmarks/step_bench.py --token-budget 32768 --anchors 2048 --sliding-layers 4 --sliding-window 2048 \
+        --doc-tokens 4096,32768 --skip eager,warm --warmup 8 --steps 20 --pipeline-steps 20 --out X.json
+
 FLOPs per step (model FLOPs, forward + backward, no recomputation counted):
   linear layers   6 * tokens * in * out   (q, o, MLP on A*B block rows; k, v on block + context rows; fc on T rows)
   attention       12 * head_dim * heads * visible (query, key) pairs, counted from the batch's block mask
@@ -35,6 +41,7 @@ from dflash_lightning.blocks import select_anchors
 from dflash_lightning.config import DrafterConfig
 from dflash_lightning.module import DFlashModule
 from dflash_lightning.target import FeatureExtractor, TargetFeatures
+from dflash_lightning.target.features import attention_for
 
 QWEN3_8B = dict(
     hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
@@ -74,12 +81,13 @@ def write_target(folder: Path) -> Path:
     return folder
 
 
-def random_batch(token_budget: int, max_documents: int, seed: int, vocab: int = MASK_ID) -> dict[str, torch.Tensor]:
-    """A packed row of chat-like documents (300-3000 tokens, ~70% supervised), fixed shapes."""
+def random_batch(token_budget: int, max_documents: int, seed: int, vocab: int = MASK_ID,
+                 doc_tokens: tuple[int, int] = (300, 3000)) -> dict[str, torch.Tensor]:
+    """A packed row of chat-like documents (`doc_tokens` long, ~70% supervised), fixed shapes."""
     g = torch.Generator().manual_seed(seed)
     ids, pos, doc, mask, lengths = [], [], [], [], []
     while len(lengths) < max_documents:
-        n = int(torch.randint(300, 3000, (1,), generator=g))
+        n = int(torch.randint(*doc_tokens, (1,), generator=g))
         n = min(n, token_budget - sum(lengths))
         if n < 64:
             break
@@ -104,9 +112,9 @@ class RandomData(LightningDataModule):
     """A fixed pool of random packed batches, served round-robin (the data path is benchmarked apart)."""
 
     def __init__(self, token_budget: int, max_documents: int = 64, pool: int = 8, steps: int = 100,
-                 vocab: int = MASK_ID) -> None:
+                 vocab: int = MASK_ID, doc_tokens: tuple[int, int] = (300, 3000)) -> None:
         super().__init__()
-        self.batches = [random_batch(token_budget, max_documents, s, vocab) for s in range(pool)]
+        self.batches = [random_batch(token_budget, max_documents, s, vocab, doc_tokens) for s in range(pool)]
         self.steps = steps
 
     def train_dataloader(self):
@@ -237,28 +245,49 @@ def step_flops(module: DFlashModule, batch: dict[str, torch.Tensor]) -> float:
     N = A * B
     per_layer = N * H * hq * d * 2 + (N + T) * H * hkv * d * 2 + 3 * N * H * mlp
     linear = 6 * (cfg.num_layers * per_layer + T * cfg.num_context_layers * H * H)
-    anchors, valid = select_anchors(batch["loss_mask"], batch["doc_ids"], A, torch.Generator().manual_seed(0))
-    starts = torch.cat([torch.zeros(1, dtype=torch.long), batch["doc_lengths"].long().cumsum(0)])
-    doc = batch["doc_ids"][anchors].long().clamp(min=0)
-    visible_ctx = (anchors - starts[doc]) * valid  # context positions strictly before each anchor
-    pairs = float(((visible_ctx + B) * B).sum())
-    attention = 12 * d * hq * pairs * cfg.num_layers
+    attention = 12 * d * hq * visible_pairs(cfg, batch, A)
     head = 4 * N * H * V
     return float(linear + attention + head)
 
 
+def visible_pairs(cfg: DrafterConfig, batch: dict[str, torch.Tensor], num_anchors: int) -> float:
+    """Visible (query, key) pairs of one step summed over the drafter's layers, each under its own mask rule."""
+    B = cfg.block_size
+    anchors, valid = select_anchors(batch["loss_mask"], batch["doc_ids"], num_anchors, torch.Generator().manual_seed(0))
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), batch["doc_lengths"].long().cumsum(0)])
+    doc = batch["doc_ids"][anchors].long().clamp(min=0)
+    context = ((anchors - starts[doc]) * valid)[:, None]  # [A, 1] context positions strictly before each anchor
+    slot = torch.arange(B)
+    pairs = 0.0
+    for layer in range(cfg.num_layers):
+        window, causal = cfg.attention_rule(layer)
+        seen = context if window is None else torch.minimum(context, (window - 1 - slot).clamp(min=0))  # [A, B]
+        lo = (slot - window + 1).clamp(min=0) if window is not None else torch.zeros_like(slot)
+        hi = slot + 1 if causal else ((slot + window).clamp(max=B) if window is not None else torch.full_like(slot, B))
+        pairs += float((seen + (hi - lo)).expand(num_anchors, B).sum())
+    return pairs
+
+
+def drafter_shape(sliding_layers: int = 0, sliding_window: int = 2048) -> DrafterConfig:
+    """The Qwen3-8B recipe's drafter; its first `sliding_layers` layers slide with window W (DFLASH.md 3b)."""
+    sliding = ["sliding_attention"] * sliding_layers + ["full_attention"] * (5 - sliding_layers)
+    return DrafterConfig(num_layers=5, block_size=16, mask_token_id=MASK_ID, layer_types=sliding if sliding_layers
+                         else None, sliding_window=sliding_window if sliding_layers else None)
+
+
 def run_fit(target: Path, compile: bool, mode: str | None, warmup: int, measured: int, features: Callback,
-            logs: Path, token_budget: int = 8192, anchors: int = 512, profile_steps: int = 0) -> dict:
+            logs: Path, token_budget: int = 8192, anchors: int = 512, profile_steps: int = 0,
+            drafter: DrafterConfig | None = None, doc_tokens: tuple[int, int] = (300, 3000)) -> dict:
     """One Trainer.fit (progress bar and CSV logger on, as users run it); timings, memory, recompiles, syncs."""
     from lightning.pytorch.loggers import CSVLogger
 
     torch._dynamo.reset()
     module = DFlashModule(
-        str(target), DrafterConfig(num_layers=5, block_size=16, mask_token_id=MASK_ID),
+        str(target), drafter or drafter_shape(),
         token_budget=token_budget, num_anchors=anchors, compile=compile, compile_mode=mode, metrics_every=8,
     )
     timer = StepTimer(warmup, measured, profile_steps)
-    data = RandomData(token_budget, steps=warmup + measured + profile_steps + 1)
+    data = RandomData(token_budget, steps=warmup + measured + profile_steps + 1, doc_tokens=doc_tokens)
     trainer = Trainer(
         accelerator="gpu", devices=1, precision="bf16-true", max_steps=warmup + measured + profile_steps,
         logger=CSVLogger(logs), enable_checkpointing=False, gradient_clip_val=1.0, enable_model_summary=False,
@@ -277,9 +306,10 @@ def run_fit(target: Path, compile: bool, mode: str | None, warmup: int, measured
     }
 
 
-def warm_cache_probe(target: Path, mode: str, warmup: int) -> dict:
+def warm_cache_probe(target: Path, mode: str, warmup: int, shape_args: list[str]) -> dict:
     """The same compiled fit in a fresh process that finds the compiler caches the first run filled."""
-    cmd = [sys.executable, __file__, "--probe-target", str(target), "--modes", mode, "--warmup", str(warmup)]
+    cmd = [sys.executable, __file__, "--probe-target", str(target), "--modes", mode, "--warmup", str(warmup),
+           *shape_args]
     done = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode or not lines:
@@ -287,9 +317,10 @@ def warm_cache_probe(target: Path, mode: str, warmup: int) -> dict:
     return json.loads(lines[-1])
 
 
-def target_rate(extractor: FeatureExtractor, token_budget: int, iters: int = 10) -> float:
+def target_rate(extractor: FeatureExtractor, token_budget: int, iters: int = 10,
+                doc_tokens: tuple[int, int] = (300, 3000)) -> float:
     """Context tokens per second of the target's feature forward alone."""
-    batch = {k: v.cuda() for k, v in random_batch(token_budget, 64, 0).items()}
+    batch = {k: v.cuda() for k, v in random_batch(token_budget, 64, 0, doc_tokens=doc_tokens).items()}
     for _ in range(2):
         extractor(batch["input_ids"], batch["position_ids"])
     torch.cuda.synchronize()
@@ -308,21 +339,34 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--pipeline-steps", type=int, default=200, help="measured steps of the co-located pipeline")
     parser.add_argument("--skip", default="", help="comma list of parts to skip: eager,pipeline,warm")
+    parser.add_argument("--token-budget", type=int, default=8192, help="tokens per packed row T")
+    parser.add_argument("--anchors", type=int, default=512, help="anchors (blocks) per step A")
+    parser.add_argument("--sliding-layers", type=int, default=0, help="drafter layers (of 5, first) that slide")
+    parser.add_argument("--sliding-window", type=int, default=2048, help="window W of the sliding layers")
+    parser.add_argument("--doc-tokens", default="300,3000", help="lo,hi: random documents' length range")
+    parser.add_argument("--target-attention", default="auto", help="attention of the pipeline's target (auto, sdpa)")
     parser.add_argument("--probe-target", type=Path, default=None, help=argparse.SUPPRESS)  # warm-cache child
     args = parser.parse_args()
     torch.set_float32_matmul_precision("high")
     skip = set(args.skip.split(","))
+    doc_tokens = tuple(int(n) for n in args.doc_tokens.split(","))
+    shape_args = [f"--token-budget={args.token_budget}", f"--anchors={args.anchors}", f"--doc-tokens={args.doc_tokens}",
+                  f"--sliding-layers={args.sliding_layers}", f"--sliding-window={args.sliding_window}"]
+    shape = dict(token_budget=args.token_budget, anchors=args.anchors, doc_tokens=doc_tokens,
+                 drafter=drafter_shape(args.sliding_layers, args.sliding_window))
     if args.probe_target:
         with tempfile.TemporaryDirectory() as logs:
             mode = None if args.modes == "default" else args.modes
-            run = run_fit(args.probe_target, True, mode, args.warmup, 10, RandomFeatures(), Path(logs))
+            run = run_fit(args.probe_target, True, mode, args.warmup, 10, RandomFeatures(), Path(logs), **shape)
         print(json.dumps({k: run[k] for k in ("first_step_s", "warmup_s", "compile_s", "step_s")}))
         return
     # A fresh compiler cache unless one is given: the first compiled mode is measured cold.
     cache = os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="inductor-"))
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
               "inductor_cache": cache, "cpu_count": os.cpu_count(),
-              "shape": {"token_budget": 8192, "anchors": 512, "block": 16, "layers": 5, **QWEN3_8B}}
+              "shape": {"token_budget": args.token_budget, "anchors": args.anchors, "block": 16, "layers": 5,
+                        "layer_types": shape["drafter"].layer_types, "sliding_window": shape["drafter"].sliding_window,
+                        "doc_tokens": list(doc_tokens), "target_attention": args.target_attention, **QWEN3_8B}}
     peak = matmul_peak()
     result["bf16_matmul_peak_tflops"] = peak / 1e12
     out = Path(os.environ["OUT"], "bench.json") if os.environ.get("OUT") else None
@@ -341,17 +385,17 @@ def main() -> None:
             name = f"compiled[{mode}]"
             try:
                 runs[name] = run_fit(target, True, None if mode == "default" else mode, args.warmup, args.steps,
-                                     RandomFeatures(), logs, profile_steps=3 if i == 0 else 0)
+                                     RandomFeatures(), logs, profile_steps=3 if i == 0 else 0, **shape)
                 runs[name]["mfu"] = runs[name]["tflops"] * 1e12 / peak
             except Exception as err:  # a mode that fails is reported, not fatal
                 runs[name] = {"error": f"{type(err).__name__}: {err}"[:2000]}
             if i == 0:
                 runs[name]["compile_breakdown_s"] = compile_breakdown()
                 if "warm" not in skip:
-                    runs[name]["warm_cache"] = warm_cache_probe(target, mode, args.warmup)
+                    runs[name]["warm_cache"] = warm_cache_probe(target, mode, args.warmup, shape_args)
             report("drafter_step", runs)
         if "eager" not in skip:
-            runs["eager"] = run_fit(target, False, None, 3, 10, RandomFeatures(), logs)
+            runs["eager"] = run_fit(target, False, None, 3, 10, RandomFeatures(), logs, **shape)
             runs["eager"]["mfu"] = runs["eager"]["tflops"] * 1e12 / peak
             report("drafter_step", runs)
         best = min((r for r in runs.values() if "step_s" in r and r["compile"]), key=lambda r: r["step_s"])
@@ -360,13 +404,14 @@ def main() -> None:
 
             torch.manual_seed(0)
             cfg = Qwen3Config(**{**QWEN3_8B, "num_hidden_layers": 34})  # layers past max(ids)=33 are never run
+            attention = attention_for(args.target_attention, torch.device("cuda"))  # auto: no [T, T] mask
             with torch.device("cuda"):
-                model = AutoModel.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
+                model = AutoModel.from_config(cfg, dtype=torch.bfloat16, attn_implementation=attention)
             extractor = FeatureExtractor(model, [1, 9, 17, 25, 33], 36).cuda()
-            t_rate = target_rate(extractor, 8192)
+            t_rate = target_rate(extractor, args.token_budget, doc_tokens=doc_tokens)
             callback = TargetFeatures(str(target))
             callback.extractor = extractor
-            pipe = run_fit(target, True, best["mode"], args.warmup, args.pipeline_steps, callback, logs)
+            pipe = run_fit(target, True, best["mode"], args.warmup, args.pipeline_steps, callback, logs, **shape)
             d_rate = best["context_tokens_per_s"]
             bound = 1 / (1 / t_rate + 1 / d_rate)
             report("colocated_pipeline", {

@@ -76,11 +76,32 @@ def block_labels(
     return input_ids[pos], weights_per_slot[None, :] * supervised
 
 
-def block_mask_mod(doc_ids: Tensor, anchors: Tensor, anchor_valid: Tensor, block_size: int):
+def window_rule(
+    query_pos: Tensor, key_pos: Tensor, key_in_block: Tensor, window: int | None, causal: bool
+) -> Tensor | bool:
+    """A layer's rule of DFLASH.md section 3b on keys its block may see: causal inside the block, a window.
+
+    The query at position `p + i` keeps a context key at j when `(p + i) - j < W`; a key of its own block
+    at `p + k` when `k <= i` (causal) and `|i - k| < W`. Full bidirectional layers keep everything.
+    """
+    keep: Tensor | bool = True
+    if causal:
+        keep = keep & (~key_in_block | (key_pos <= query_pos))
+    if window is not None:
+        keep = keep & (query_pos - key_pos < window)
+        if not causal:
+            keep = keep & (~key_in_block | (key_pos - query_pos < window))
+    return keep
+
+
+def block_mask_mod(
+    doc_ids: Tensor, anchors: Tensor, anchor_valid: Tensor, block_size: int, window: int | None = None,
+    causal: bool = False,
+):
     """flex_attention mask over keys `[context (T); blocks (A*B)]` for queries `[blocks (A*B)]`.
 
-    A block sees its document's context strictly before its anchor and its own B tokens both ways;
-    never another block, another document, or padding.
+    A block sees its document's context strictly before its anchor and its own B tokens (both ways unless
+    `causal`), within `window` of each slot (`window_rule`); never another block, another document, or padding.
     """
     context_len = doc_ids.numel()
     anchor_doc = doc_ids[anchors]  # [A]
@@ -93,56 +114,86 @@ def block_mask_mod(doc_ids: Tensor, anchors: Tensor, anchor_valid: Tensor, block
             is_context & anchor_valid[block] & (doc_ids[ctx] == anchor_doc[block]) & (ctx < anchors[block])
         )
         sees_block = ~is_context & ((kv_idx - context_len) // block_size == block)
-        return sees_context | sees_block
+        visible = sees_context | sees_block
+        if window is None and not causal:
+            return visible
+        # Inside a document packed indices are positions plus the document's start: differences are equal.
+        query_pos = anchors[block] + q_idx % block_size
+        key_pos = torch.where(is_context, ctx, anchors[block] + (kv_idx - context_len) % block_size)
+        return visible & window_rule(query_pos, key_pos, ~is_context, window, causal)
 
     return mask_mod
 
 
 def build_block_mask(
-    doc_ids: Tensor, anchors: Tensor, anchor_valid: Tensor, block_size: int, tile: int = 128
+    doc_ids: Tensor, anchors: Tensor, anchor_valid: Tensor, block_size: int, window: int | None = None,
+    causal: bool = False, tile: int = 128,
 ) -> BlockMask | Tensor:
     """The mask of `block_mask_mod` for one packed batch: a BlockMask, or a dense `[A*B, T+A*B]` on CPU.
 
     flex_attention has no backward on the CPU, so there the same mask_mod is materialised for SDPA.
     """
     if doc_ids.device.type == "cpu":
-        mask_mod = block_mask_mod(doc_ids, anchors, anchor_valid, block_size)
+        mask_mod = block_mask_mod(doc_ids, anchors, anchor_valid, block_size, window, causal)
         queries = anchors.numel() * block_size
         return create_mask(mask_mod, None, None, queries, doc_ids.numel() + queries, device="cpu")[0, 0]
-    return tiled_block_mask(doc_ids, anchors, anchor_valid, block_size, tile)
+    return tiled_block_mask(doc_ids, anchors, anchor_valid, block_size, tile, window, causal)
 
 
 def tiled_block_mask(
-    doc_ids: Tensor, anchors: Tensor, anchor_valid: Tensor, block_size: int, tile: int = 128
+    doc_ids: Tensor, anchors: Tensor, anchor_valid: Tensor, block_size: int, tile: int = 128,
+    window: int | None = None, causal: bool = False,
 ) -> BlockMask:
-    """The BlockMask of `block_mask_mod`, its tiles found from each block's visible key ranges.
+    """The BlockMask of `block_mask_mod`, its tiles found from each slot's visible key ranges.
 
-    A block sees the keys `[start of its document, anchor)` and its own B keys, so which tiles hold
-    visible keys follows from interval overlaps, without evaluating the mask over all `A*B x (T+A*B)`
-    pairs (`create_block_mask` compiles that for minutes). Fixed shapes, no host sync; inside partial
-    tiles `block_mask_mod` decides. Documents must be contiguous, as packing makes them.
+    Slot i of anchor p sees the keys `[max(start of its document, p + i - W + 1), p)` and a range of its own
+    block's B keys, so which tiles hold visible keys follows from interval overlaps, without evaluating the
+    mask over all `A*B x (T+A*B)` pairs (`create_block_mask` compiles that for minutes); tiles the window
+    hides are skipped. Fixed shapes, no host sync; inside partial tiles `block_mask_mod` decides. Documents
+    must be contiguous, as packing makes them.
     """
     T, A, B = doc_ids.numel(), anchors.numel(), block_size
-    queries, keys = A * B, T + A * B
     device = doc_ids.device
     position = torch.arange(T, device=device)
     new_doc = torch.ones(T, dtype=torch.bool, device=device)
     new_doc[1:] = doc_ids[1:] != doc_ids[:-1]
     doc_start = torch.cummax(torch.where(new_doc, position, 0), 0).values  # [T]
-    ctx_lo = doc_start[anchors]
-    ctx_hi = torch.where(anchor_valid, anchors, ctx_lo)  # an invalid anchor sees no context
-    blk_lo = T + torch.arange(A, device=device) * B
-    tile_lo = torch.arange(0, keys, tile, device=device)  # [Kt]
+    slot = torch.arange(B, device=device)
+    query_pos = (anchors[:, None] + slot).flatten()  # [A*B]
+    anchor = anchors.repeat_interleave(B)  # [A*B]
+    ctx_lo = doc_start[anchors].repeat_interleave(B)
+    if window is not None:
+        ctx_lo = torch.maximum(ctx_lo, query_pos - window + 1)
+    ctx_hi = torch.where(anchor_valid.repeat_interleave(B), anchor, ctx_lo)  # an invalid anchor sees no context
+    # Own-block keys of slot i, as slots [lo, hi): the same window_rule, as an interval.
+    i = slot.repeat(A)
+    blk_lo = i - window + 1 if window is not None else torch.zeros_like(i)
+    blk_hi = i + 1 if causal else (i + window if window is not None else torch.full_like(i, B))
+    blk_base = T + torch.arange(A, device=device).repeat_interleave(B) * B
+    blk_lo, blk_hi = blk_base + blk_lo.clamp(0, B), blk_base + blk_hi.clamp(0, B)
+    return interval_block_mask(
+        [(ctx_lo, ctx_hi), (blk_lo, blk_hi)], T + A * B, tile,
+        block_mask_mod(doc_ids, anchors, anchor_valid, block_size, window, causal),
+    )
+
+
+def interval_block_mask(intervals: list[tuple[Tensor, Tensor]], keys: int, tile: int, mask_mod) -> BlockMask:
+    """The BlockMask of a mask whose visible keys of each query are disjoint ranges `[lo, hi)` (each `[Q]`).
+
+    A tile is full when every query row of it sees all its keys, partial when some see some; the rest are
+    skipped. Fixed shapes, no host sync; the tiles equal `create_block_mask`'s of the same `mask_mod`.
+    """
+    queries = intervals[0][0].numel()
+    tile_lo = torch.arange(0, keys, tile, dtype=torch.int32, device=intervals[0][0].device)  # [Kt]
     tile_hi = (tile_lo + tile).clamp(max=keys)
-
-    def overlap(lo: Tensor, hi: Tensor) -> Tensor:  # keys of [lo, hi) in each key tile  # [A, Kt]
-        return (torch.minimum(hi[:, None], tile_hi) - torch.maximum(lo[:, None], tile_lo)).clamp(min=0)
-
-    seen = overlap(ctx_lo, ctx_hi) + overlap(blk_lo, blk_lo + B)  # [A, Kt]
+    seen = sum(  # keys of each query's ranges in each key tile (int32: [Q, Kt] is 16M at a 32K budget)  # [Q, Kt]
+        (torch.minimum(hi.int()[:, None], tile_hi) - torch.maximum(lo.int()[:, None], tile_lo)).clamp(min=0)
+        for lo, hi in intervals
+    )
     q_tiles = -(-queries // tile)
     pad = q_tiles * tile - queries  # rows past the queries count as seeing nothing, as in create_block_mask
-    rows_any = F.pad((seen > 0).repeat_interleave(B, 0), (0, 0, 0, pad)).unflatten(0, (q_tiles, tile))
-    rows_full = F.pad((seen == tile).repeat_interleave(B, 0), (0, 0, 0, pad)).unflatten(0, (q_tiles, tile))
+    rows_any = F.pad(seen > 0, (0, 0, 0, pad)).unflatten(0, (q_tiles, tile))
+    rows_full = F.pad(seen == tile, (0, 0, 0, pad)).unflatten(0, (q_tiles, tile))
     full = rows_full.all(1)  # [Qt, Kt]
     partial = rows_any.any(1) & ~full
 
@@ -152,6 +203,5 @@ def tiled_block_mask(
         return count, order
 
     return BlockMask.from_kv_blocks(
-        *as_kv_blocks(partial), *as_kv_blocks(full), BLOCK_SIZE=tile,
-        mask_mod=block_mask_mod(doc_ids, anchors, anchor_valid, block_size), seq_lengths=(queries, keys),
+        *as_kv_blocks(partial), *as_kv_blocks(full), BLOCK_SIZE=tile, mask_mod=mask_mod, seq_lengths=(queries, keys),
     )

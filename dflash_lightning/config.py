@@ -10,6 +10,8 @@ from typing import Any
 
 # Loss decay per block size (DFLASH.md section 4); other block sizes must set gamma explicitly.
 DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+# Attention types of a drafter layer, named as config.json's `layer_types` names them (DFLASH.md section 3b).
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 class ConfigError(ValueError):
@@ -62,6 +64,13 @@ class DrafterConfig:
     """Decoder layers of the target (L); None: the target's."""
     attention_bias: bool = False
     """Bias on q/k/v/o projections (Qwen3: no)."""
+    layer_types: list[str] | None = None
+    """Attention of each drafter layer, `full_attention` or `sliding_attention` (DFLASH.md 3b); None: all full."""
+    sliding_window: int | None = None
+    """Window W of sliding layers: slot i of an anchor p sees context j of its document with (p+i) - j < W."""
+    is_causal: bool | None = None
+    """Causal attention inside the block; None: sliding layers causal, full layers bidirectional (the reference's
+    default); true or false: every layer."""
 
     def resolved(
         self, target_config: Any, tokenizer_len: int | None = None, reserved_ids: list[int] | tuple = ()
@@ -141,12 +150,36 @@ class DrafterConfig:
                     f"mask_token_id {self.mask_token_id} is a token the tokenizer emits (it has "
                     f"{tokenizer_len} tokens); use a row past them, e.g. {tokenizer_len}"
                 )
+        self._check_layer_types()
         if self.hidden_size is not None and self.num_attention_heads is not None:
             if self.num_attention_heads % (self.num_key_value_heads or self.num_attention_heads):
                 raise ConfigError(
                     f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                     f"num_key_value_heads ({self.num_key_value_heads})"
                 )
+
+    def _check_layer_types(self) -> None:
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers:
+                raise ConfigError(
+                    f"layer_types has {len(self.layer_types)} entries, the drafter has num_layers={self.num_layers}"
+                )
+            bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
+            if bad:
+                raise ConfigError(f"layer_types: unknown type(s) {bad}; use {' or '.join(LAYER_TYPES)}")
+        sliding = "sliding_attention" in (self.layer_types or ())
+        if sliding and (self.sliding_window is None or self.sliding_window < 1):
+            raise ConfigError(f"sliding_window must be >= 1 for sliding_attention layers, got {self.sliding_window}")
+        if not sliding and self.sliding_window is not None:
+            raise ConfigError(
+                f"sliding_window ({self.sliding_window}) is set but no layer is sliding_attention: set layer_types"
+            )
+
+    def attention_rule(self, layer: int) -> tuple[int | None, bool]:
+        """(window W or None, causal inside the block) of a drafter layer: the mask it attends under."""
+        sliding = self.layer_types is not None and self.layer_types[layer] == "sliding_attention"
+        causal = sliding if self.is_causal is None else self.is_causal
+        return (self.sliding_window if sliding else None), causal
 
     @property
     def num_context_layers(self) -> int:

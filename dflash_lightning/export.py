@@ -29,7 +29,16 @@ REQUIRED_FIELDS = (
 
 
 def hf_config(cfg: DrafterConfig) -> dict[str, Any]:
-    """The config.json of a drafter: Qwen3 fields plus the DFlash ones, as published drafters have them."""
+    """The config.json of a drafter: Qwen3 fields plus the DFlash ones, as published drafters have them.
+
+    Sliding layers follow the Qwen3 convention (`layer_types`, `sliding_window`, `use_sliding_window`, without
+    which transformers drops the window); `is_causal` is written only when set, as the reference reads it.
+    """
+    layer_types = list(cfg.layer_types or ["full_attention"] * cfg.num_layers)
+    sliding = "sliding_attention" in layer_types
+    attention = {"use_sliding_window": sliding, "sliding_window": cfg.sliding_window if sliding else None}
+    if cfg.is_causal is not None:
+        attention["is_causal"] = cfg.is_causal
     return {
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",
@@ -47,7 +56,8 @@ def hf_config(cfg: DrafterConfig) -> dict[str, Any]:
         "vocab_size": cfg.vocab_size,
         "attention_bias": cfg.attention_bias,
         "tie_word_embeddings": False,
-        "layer_types": ["full_attention"] * cfg.num_layers,
+        "layer_types": layer_types,
+        **attention,
         "num_target_layers": cfg.num_target_layers,
         "block_size": cfg.block_size,
         "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)},
@@ -64,6 +74,7 @@ def config_from_hf(raw: dict[str, Any]) -> DrafterConfig:
     if missing:
         raise ConfigError(f"drafter config.json lacks required field(s): {', '.join(missing)}")
     rope_theta, rope_scaling = _rope_settings(SimpleNamespace(**raw))
+    layer_types, window = _attention_fields(raw)
     cfg = DrafterConfig(
         num_layers=raw["num_hidden_layers"], block_size=raw["block_size"], mask_token_id=dflash["mask_token_id"],
         target_layer_ids=list(dflash["target_layer_ids"]), hidden_size=raw["hidden_size"],
@@ -73,10 +84,25 @@ def config_from_hf(raw: dict[str, Any]) -> DrafterConfig:
         rms_norm_eps=raw["rms_norm_eps"], rope_theta=rope_theta, rope_scaling=rope_scaling,
         max_position_embeddings=raw["max_position_embeddings"], vocab_size=raw["vocab_size"],
         num_target_layers=raw["num_target_layers"], attention_bias=bool(raw.get("attention_bias", False)),
+        layer_types=layer_types, sliding_window=window,
+        is_causal=None if raw.get("is_causal") is None else bool(raw["is_causal"]),
     )
     # gamma is a training choice a folder does not carry; check everything else.
     replace(cfg, gamma=cfg.gamma or 1.0).check()
     return cfg
+
+
+def _attention_fields(raw: dict[str, Any]) -> tuple[list[str] | None, int | None]:
+    """(layer_types, sliding_window) of a config.json as transformers reads them; None, None for all full."""
+    layer_types = raw.get("layer_types")
+    if not layer_types or set(layer_types) == {"full_attention"}:
+        return None, None  # all full: a stored sliding_window is unused, as in transformers
+    if "sliding_attention" not in layer_types:
+        return list(layer_types), None  # unknown types: DrafterConfig.check names them
+    if raw.get("use_sliding_window") is False:
+        raise ConfigError("drafter config.json: layer_types has sliding_attention layers but use_sliding_window "
+                          "is false, so transformers and the engines drop sliding_window; set it true")
+    return list(layer_types), raw.get("sliding_window")
 
 
 def check_state_dict(cfg: DrafterConfig, state: dict[str, Tensor], source: str) -> None:

@@ -118,27 +118,26 @@ class Attention(nn.Module):
         k_blk, v_blk = self.key_value(x, *rope_block)
         k = torch.cat([k_ctx, k_blk]).transpose(0, 1)[None]  # [1, kv_heads, T + A*B, D]
         v = torch.cat([v_ctx, v_blk]).transpose(0, 1)[None]
-        out = _flex(q.transpose(0, 1)[None], k, v, block_mask)  # [1, heads, A*B, D]
+        out = masked_attention(q.transpose(0, 1)[None], k, v, block_mask)  # [1, heads, A*B, D]
         return self.o_proj(out[0].transpose(0, 1).flatten(1))
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """Dense attention of `q [N, heads, D]` over all of `k, v [M, kv_heads, D]` (serving path)."""
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
+        """Dense attention of `q [N, heads, D]` over `k, v [M, kv_heads, D]`, all or `mask [N, M]` (serving path)."""
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], enable_gqa=True
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask,
+            enable_gqa=True,
         )
         return self.o_proj(out[0].transpose(0, 1).flatten(1))
 
 
-def _flex(q: Tensor, k: Tensor, v: Tensor, block_mask: BlockMask | Tensor) -> Tensor:
-    """flex_attention; on CUDA outside a compiled region the kernel itself is compiled (never unfused).
-
-    A dense boolean mask (the CPU form of the same block mask) goes through SDPA instead.
-    """
-    if isinstance(block_mask, Tensor):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=block_mask, enable_gqa=True)
+def masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: BlockMask | Tensor, scale: float | None = None) -> Tensor:
+    """flex_attention of `[1, heads, N, D]` under a BlockMask; on CUDA outside a compiled region the kernel itself
+    is compiled (never unfused). A dense boolean mask (the CPU form of the same mask) goes through SDPA instead."""
+    if isinstance(mask, Tensor):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     if q.is_cuda and not torch.compiler.is_compiling():
-        return _compiled_flex()(q, k, v, block_mask=block_mask, enable_gqa=True)
-    return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+        return _compiled_flex()(q, k, v, block_mask=mask, scale=scale, enable_gqa=True)
+    return flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=True)
 
 
 _COMPILED_FLEX = None
@@ -261,9 +260,11 @@ class DFlashDrafter(nn.Module):
         pos_block = (position_ids[anchors][:, None] + torch.arange(B, device=anchors.device)).flatten()
         rope_block = self.rotary(pos_block, x.dtype)
         rope_context = self.rotary(position_ids, x.dtype)
-        block_mask = build_block_mask(doc_ids, anchors, anchor_valid, B)
-        for layer in self.layers:
-            x = layer(x, context, rope_block, rope_context, block_mask)
+        rules = [self.config.attention_rule(i) for i in range(len(self.layers))]
+        # One mask per rule (full, sliding), built once per step and shared by the layers of that rule.
+        masks = {rule: build_block_mask(doc_ids, anchors, anchor_valid, B, *rule) for rule in dict.fromkeys(rules)}
+        for layer, rule in zip(self.layers, rules, strict=True):
+            x = layer(x, context, rope_block, rope_context, masks[rule])
         return self.norm(x).unflatten(0, (anchors.numel(), B))
 
     def forward(
@@ -284,4 +285,4 @@ class DFlashDrafter(nn.Module):
         return hidden @ self.head_weight.to(hidden.dtype).T
 
 
-__all__ = ["DFlashDrafter", "DraftOutput", "RMSNorm", "apply_rope"]
+__all__ = ["DFlashDrafter", "DraftOutput", "RMSNorm", "apply_rope", "masked_attention"]

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from dflash_lightning.blocks import window_rule
 from dflash_lightning.hf.modeling_dflash import accepted_length, check_sampling, next_token, verify_drafts
 from dflash_lightning.model import DFlashDrafter
 
@@ -56,39 +57,62 @@ def counted_tokens(emitted: list[int], kept: int) -> list[int]:
 
 
 class DraftContext:
-    """A drafter's cached context K/V per layer, at the true positions of the tokens they come from."""
+    """A drafter's cached context K/V per layer, at the true positions of the tokens they come from.
+
+    A sliding layer of window W keeps only the last W - 1 context positions: the next block starts right after
+    them, and its slot 0 sees no further back (DFLASH.md 3b), so older K/V are never seen again.
+    """
 
     def __init__(self, drafter: DFlashDrafter) -> None:
         self.drafter = drafter
-        self.keys: list[Tensor | None] = [None] * len(drafter.layers)
-        self.values: list[Tensor | None] = [None] * len(drafter.layers)
+        n = len(drafter.layers)
+        self.rules = [drafter.config.attention_rule(i) for i in range(n)]  # (window, causal) per layer
+        self.keys: list[Tensor | None] = [None] * n
+        self.values: list[Tensor | None] = [None] * n
+        self.positions: list[Tensor | None] = [None] * n  # positions of each layer's kept context K/V
+        self.length = 0
 
     def __len__(self) -> int:
-        return 0 if self.keys[0] is None else self.keys[0].shape[0]
+        """Context tokens seen so far (a sliding layer keeps only its window of them)."""
+        return self.length
 
     @torch.no_grad()
     def extend(self, features: Tensor, positions: Tensor) -> None:
-        """Append the context of new target features `[n, K*H]` at `positions [n]`."""
+        """Append the context of new target features `[n, K*H]` at `positions [n]`, consecutive after the last."""
         c = self.drafter.context(features)  # [n, H]
         rope = self.drafter.rotary(positions, c.dtype)
+        self.length += positions.numel()
         for i, layer in enumerate(self.drafter.layers):
             k, v = layer.self_attn.key_value(c, *rope)  # [n, kv_heads, D] each
-            self.keys[i] = k if self.keys[i] is None else torch.cat([self.keys[i], k])
-            self.values[i] = v if self.values[i] is None else torch.cat([self.values[i], v])
+            pos = positions
+            if self.keys[i] is not None:
+                k, v = torch.cat([self.keys[i], k]), torch.cat([self.values[i], v])
+                pos = torch.cat([self.positions[i], pos])
+            window = self.rules[i][0]
+            drop = 0 if window is None else max(0, pos.numel() - (window - 1))
+            self.keys[i], self.values[i], self.positions[i] = k[drop:], v[drop:], pos[drop:]
 
     @torch.no_grad()
     def block_hidden(self, block_ids: Tensor, start: int) -> Tensor:
         """Final-normed hidden state of a block `[B]` at positions start..start+B-1 over all the context.  # [B, H]"""
         d = self.drafter
         x = d.embed(block_ids)  # [B, H]
-        rope = d.rotary(torch.arange(start, start + block_ids.numel(), device=block_ids.device), x.dtype)
+        block_pos = torch.arange(start, start + block_ids.numel(), device=block_ids.device)
+        rope = d.rotary(block_pos, x.dtype)
         for i, layer in enumerate(d.layers):
             attn, h = layer.self_attn, layer.input_layernorm(x)
             k, v = attn.key_value(h, *rope)
+            key_pos = block_pos
             if self.keys[i] is not None:
                 k, v = torch.cat([self.keys[i], k]), torch.cat([self.values[i], v])
-            # No mask: the block sees all of the context (all before `start`) and itself both ways.
-            x = x + attn.attend(attn.query(h, *rope), k, v)
+                key_pos = torch.cat([self.positions[i], block_pos])
+            # Full layers: no mask, the block sees all of the context (all before `start`) and itself both ways.
+            window, causal = self.rules[i]
+            mask = None
+            if window is not None or causal:
+                in_block = torch.arange(key_pos.numel(), device=key_pos.device) >= key_pos.numel() - block_pos.numel()
+                mask = window_rule(block_pos[:, None], key_pos[None, :], in_block[None, :], window, causal)
+            x = x + attn.attend(attn.query(h, *rope), k, v, mask)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return d.norm(x)
 

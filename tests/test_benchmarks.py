@@ -21,3 +21,21 @@ def test_scaling_bench_cpu_smoke_writes_one_json_line(tmp_path):
     (row,) = [json.loads(line) for line in out.read_text().splitlines()]
     assert row["placement"] == "separate" and row["gpus"] == 2 and row["steps"] == 3
     assert row["context_tokens_per_s"] > 0 and row["scaling_efficiency"] > 0
+
+
+def test_step_bench_counts_the_pairs_each_layers_mask_shows():
+    """The benchmark's attention FLOPs follow each layer's rule: pairs equal the dense masks' true entries."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from step_bench import drafter_shape, random_batch, visible_pairs
+
+    from dflash_lightning.blocks import build_block_mask, select_anchors
+
+    cfg = drafter_shape(sliding_layers=3, sliding_window=40)
+    batch = random_batch(600, 8, seed=0, doc_tokens=(60, 300))
+    anchors, valid = select_anchors(batch["loss_mask"], batch["doc_ids"], 24, torch.Generator().manual_seed(0))
+    dense = sum(int(build_block_mask(batch["doc_ids"], anchors, valid, 16, *cfg.attention_rule(i)).sum())
+                for i in range(cfg.num_layers))
+    assert visible_pairs(cfg, batch, 24) == dense
+    assert visible_pairs(drafter_shape(), batch, 24) > dense  # the window hides pairs

@@ -20,17 +20,19 @@ from dflash_lightning.blocks import (
 )
 
 
-def reference_mask(doc_ids: list[int], anchors: list[int], valid: list[bool], block: int) -> torch.Tensor:
-    """Dense [A*B, T + A*B] visibility, element by element, from the rules of section 3."""
+def reference_mask(doc_ids: list[int], anchors: list[int], valid: list[bool], block: int,
+                   window: int | None = None, causal: bool = False) -> torch.Tensor:
+    """Dense [A*B, T + A*B] visibility, element by element, from the rules of sections 3 and 3b."""
     total, n_blocks = len(doc_ids), len(anchors)
     mask = torch.zeros(n_blocks * block, total + n_blocks * block, dtype=torch.bool)
     for a, p in enumerate(anchors):
         for k in range(block):
             q = a * block + k
-            for j in range(total):  # context: same document, strictly before the anchor
-                mask[q, j] = valid[a] and doc_ids[j] == doc_ids[p] and j < p
-            for k2 in range(block):  # own block, both directions
-                mask[q, total + a * block + k2] = True
+            for j in range(total):  # context: same document, strictly before the anchor, inside the slot's window
+                in_window = window is None or (p + k) - j < window
+                mask[q, j] = valid[a] and doc_ids[j] == doc_ids[p] and j < p and in_window
+            for k2 in range(block):  # own block: both directions, or slots 0..k when causal
+                mask[q, total + a * block + k2] = (not causal or k2 <= k) and (window is None or abs(k - k2) < window)
     return mask
 
 
@@ -42,23 +44,31 @@ def tiles(num_blocks: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("docs,total,num_anchors,block", [
+CASES = [
     ([20, 7, 30], 64, 12, 4),          # several documents plus padding
     ([5, 5, 5, 5], 24, 10, 8),         # anchors near document ends, more slots than candidates
     ([64], 64, 20, 16),                # one document filling the budget
     ([9, 25, 13], 52, 9, 10),          # B=10: blocks straddle tiles, T not a multiple of the tile
-])
-def test_block_mask_matches_dense_reference(docs, total, num_anchors, block):
+]
+# (window, causal): full bidirectional; causal sliding windows (the reference's default for sliding layers),
+# one narrower than the block; a bidirectional sliding window (config.json `is_causal: false`); causal full.
+RULES = [(None, False), (7, True), (3, True), (5, False), (None, True)]
+
+
+@pytest.mark.parametrize("rule", RULES, ids=lambda r: f"W{r[0]}-{'causal' if r[1] else 'bidir'}")
+@pytest.mark.parametrize("docs,total,num_anchors,block", CASES)
+def test_block_mask_matches_dense_reference(docs, total, num_anchors, block, rule):
+    window, causal = rule
     batch = packed_batch(docs, total, seed=len(docs))
     anchors, valid = select_anchors(batch["loss_mask"], batch["doc_ids"], num_anchors, torch.Generator().manual_seed(1))
-    mask_mod = block_mask_mod(batch["doc_ids"], anchors, valid, block)
+    mask_mod = block_mask_mod(batch["doc_ids"], anchors, valid, block, window, causal)
     q_len, kv_len = num_anchors * block, total + num_anchors * block
     dense = create_mask(mask_mod, None, None, q_len, kv_len, device="cpu")[0, 0]
-    expected = reference_mask(batch["doc_ids"].tolist(), anchors.tolist(), valid.tolist(), block)
+    expected = reference_mask(batch["doc_ids"].tolist(), anchors.tolist(), valid.tolist(), block, window, causal)
     assert torch.equal(dense, expected)
     # The sparse BlockMask drives flex_attention to the same result as dense attention under that mask.
     q, k, v = (torch.randn(1, 2, n, 8, dtype=torch.float64) for n in (q_len, kv_len, kv_len))
-    sparse = tiled_block_mask(batch["doc_ids"], anchors, valid, block, tile=16)
+    sparse = tiled_block_mask(batch["doc_ids"], anchors, valid, block, tile=16, window=window, causal=causal)
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=expected)
     torch.testing.assert_close(flex_attention(q, k, v, block_mask=sparse), ref)
     # Its partial and full tiles are exactly those flex finds by evaluating the mask everywhere.
@@ -69,22 +79,27 @@ def test_block_mask_matches_dense_reference(docs, total, num_anchors, block):
     assert torch.equal(tiles(sparse.full_kv_num_blocks, sparse.full_kv_indices),
                        tiles(evaluated.full_kv_num_blocks, evaluated.full_kv_indices))
     # On the CPU the step uses the same rule materialised densely.
-    assert torch.equal(build_block_mask(batch["doc_ids"], anchors, valid, block), expected)
+    assert torch.equal(build_block_mask(batch["doc_ids"], anchors, valid, block, window, causal), expected)
 
 
-@pytest.mark.parametrize("block", [16, 10])
-def test_tiled_block_mask_at_training_tile_size(block):
+@pytest.mark.parametrize("block,window", [(16, None), (10, None), (16, 300)])
+def test_tiled_block_mask_at_training_tile_size(block, window):
     """The GPU tile of 128 over a realistic row: many documents, sorted anchors, padding at the end."""
     batch = packed_batch([300, 41, 517, 90, 700, 250], 2000, seed=5, supervise_from=30)
     anchors, valid = select_anchors(batch["loss_mask"], batch["doc_ids"], 100, torch.Generator().manual_seed(2))
     q_len, kv_len = 100 * block, 2000 + 100 * block
-    ours = tiled_block_mask(batch["doc_ids"], anchors, valid, block)
-    mask_mod = block_mask_mod(batch["doc_ids"], anchors, valid, block)
+    causal = window is not None
+    ours = tiled_block_mask(batch["doc_ids"], anchors, valid, block, window=window, causal=causal)
+    mask_mod = block_mask_mod(batch["doc_ids"], anchors, valid, block, window, causal)
     evaluated = create_block_mask(mask_mod, None, None, q_len, kv_len, device="cpu", BLOCK_SIZE=128)
     assert torch.equal(tiles(ours.kv_num_blocks, ours.kv_indices), tiles(evaluated.kv_num_blocks, evaluated.kv_indices))
     assert torch.equal(tiles(ours.full_kv_num_blocks, ours.full_kv_indices),
                        tiles(evaluated.full_kv_num_blocks, evaluated.full_kv_indices))
     assert ours.full_kv_num_blocks.sum() > 0  # the row has full tiles, so the skip of mask_mod is exercised
+    if window is not None:  # the window hides tiles the full mask of the same row lists
+        full = tiled_block_mask(batch["doc_ids"], anchors, valid, block)
+        listed = (ours.kv_num_blocks + ours.full_kv_num_blocks).sum()
+        assert listed < (full.kv_num_blocks + full.full_kv_num_blocks).sum()
 
 
 def test_padding_sees_nothing_and_is_seen_by_nothing():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -66,12 +67,13 @@ def test_folder_has_the_published_layout(folder):
         "architectures", "model_type", "auto_map", "hidden_size", "intermediate_size", "num_hidden_layers",
         "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling",
         "max_position_embeddings", "vocab_size", "attention_bias", "tie_word_embeddings", "layer_types",
-        "num_target_layers", "block_size", "dflash_config",
+        "use_sliding_window", "sliding_window", "num_target_layers", "block_size", "dflash_config",
     }
     assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
     assert config["num_hidden_layers"] == 2 and config["num_target_layers"] == 6 and config["block_size"] == 8
     assert config["dflash_config"] == {"mask_token_id": 52, "target_layer_ids": [1, 3]}
     assert config["tie_word_embeddings"] is False and config["layer_types"] == ["full_attention"] * 2
+    assert config["use_sliding_window"] is False and config["sliding_window"] is None and "is_causal" not in config
     weights = load_file(folder / "model.safetensors")
     assert set(weights) == published_weight_names(2)
     assert weights["fc.weight"].shape == (64, 2 * 64)  # [H, K*H]
@@ -170,11 +172,12 @@ def test_export_cli(checkpoint, tmp_path, capsys):
 
 # -- train/serve parity -------------------------------------------------------------------------------------------
 
-def parity_drafter(target: Path, dtype: torch.dtype) -> DFlashDrafter:
+def parity_drafter(target: Path, dtype: torch.dtype, **attention) -> DFlashDrafter:
     """A random drafter for the tiny target with non-trivial norms, attached to its embedding and head."""
     from transformers import AutoConfig
 
-    cfg = DrafterConfig(num_layers=2, block_size=8, mask_token_id=52).resolved(AutoConfig.from_pretrained(target))
+    cfg = DrafterConfig(num_layers=2, block_size=8, mask_token_id=52, **attention)
+    cfg = cfg.resolved(AutoConfig.from_pretrained(target))
     torch.manual_seed(1)
     drafter = DFlashDrafter(cfg)
     for p in drafter.parameters():
@@ -189,10 +192,22 @@ def parity_drafter(target: Path, dtype: torch.dtype) -> DFlashDrafter:
 TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=0.02, atol=0.02)}
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_exported_folder_drafts_what_training_trained(tiny_target, tmp_path, dtype):
+# Sliding layers (DFLASH.md 3b) with windows shorter than the documents: causal by default, or bidirectional.
+SLIDING = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 6}
+SLIDING_BIDIR = {"layer_types": ["sliding_attention", "sliding_attention"], "sliding_window": 4, "is_causal": False}
+
+
+YARN = {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
+        "max_position_embeddings": 512}  # as configs/qwen3-8b-long.yaml, scaled down
+
+
+@pytest.mark.parametrize("dtype,attention", [
+    (torch.float32, {}), (torch.bfloat16, {}), (torch.float32, SLIDING), (torch.float32, SLIDING_BIDIR),
+    (torch.float32, {**SLIDING, **YARN}),
+])
+def test_exported_folder_drafts_what_training_trained(tiny_target, tmp_path, dtype, attention):
     """AutoModel + the modelling file's forward, fed as engines feed it, equals DFlashDrafter.block_hidden."""
-    drafter = parity_drafter(tiny_target, dtype)
+    drafter = parity_drafter(tiny_target, dtype, **attention)
     folder = write_folder(drafter.config, drafter.state_dict(), tmp_path / "drafter")
     served = AutoModel.from_pretrained(folder, trust_remote_code=True, dtype=dtype).eval()
     docs, starts = [13, 9, 20], [0, 13, 22]
@@ -253,3 +268,42 @@ def test_exported_spec_generate_samples_as_the_decoder(tiny_target, tmp_path, sa
     assert len(outputs) == 4
     with pytest.raises(ValueError, match="top_p"):
         served.spec_generate(target, ids[None], max_new_tokens=4, temperature=1.0, top_p=1.5)
+
+
+def test_sliding_window_drafter_round_trips_and_decodes_losslessly(tiny_target, tmp_path):
+    """config.json carries the window as transformers and the engines read it; export -> import -> decode is
+    the target's own greedy decoding, in our decoder (which drops K/V the window hides) and the folder's."""
+    from transformers import AutoConfig
+
+    from dflash_lightning.speculative import SpeculativeDecoder
+
+    drafter = parity_drafter(tiny_target, torch.float32, **SLIDING)
+    folder = write_folder(drafter.config, drafter.state_dict(), tmp_path / "sliding")
+    raw = json.loads((folder / "config.json").read_text())
+    assert raw["layer_types"] == SLIDING["layer_types"] and raw["sliding_window"] == 6
+    assert raw["use_sliding_window"] is True and "is_causal" not in raw  # the reference's default: causal
+    read = AutoConfig.from_pretrained(folder, trust_remote_code=True)
+    assert read.sliding_window == 6 and read.layer_types == SLIDING["layer_types"]
+    cfg, _ = import_folder(folder)
+    assert cfg.to_dict() == drafter.config.to_dict()
+    bidir = write_folder(replace(cfg, is_causal=False), drafter.state_dict(), tmp_path / "bidir")
+    assert json.loads((bidir / "config.json").read_text())["is_causal"] is False
+    assert import_folder(bidir)[0].is_causal is False
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
+    decoder = SpeculativeDecoder(target, load_drafter(folder, str(tiny_target)))
+    served = AutoModel.from_pretrained(folder, trust_remote_code=True).eval()
+    g = torch.Generator().manual_seed(1)
+    for i in range(3):
+        ids = torch.randint(4, 40, (4 + 5 * i,), generator=g)  # prompts shorter and longer than the window
+        expected = target_generate(target, ids, 24, 2).tokens
+        assert decoder.generate(ids, 24, 2).tokens == expected
+        out = served.spec_generate(target, ids[None], max_new_tokens=24, stop_token_ids=[2])
+        assert out[0, ids.numel():].tolist() == expected
+
+
+def test_folder_whose_window_transformers_would_drop_is_refused(tiny_target, tmp_path):
+    drafter = parity_drafter(tiny_target, torch.float32, **SLIDING)
+    folder = write_folder(drafter.config, drafter.state_dict(), tmp_path / "d")
+    with pytest.raises(ConfigError, match="use_sliding_window is false"):
+        import_folder(broken_copy(folder, tmp_path / "bad", edit_config=lambda c: c.update(use_sliding_window=False)))

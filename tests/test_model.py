@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from helpers import packed_batch
@@ -56,7 +57,15 @@ def reference_block(drafter: DFlashDrafter, doc_features, doc_tokens, p: int) ->
         k = rope(rms((kv_in @ w["self_attn.k_proj.weight"].T).view(-1, nkv, d), w["self_attn.k_norm.weight"]), pos)
         v = (kv_in @ w["self_attn.v_proj.weight"].T).view(-1, nkv, d)
         k, v = k.repeat_interleave(nh // nkv, 1), v.repeat_interleave(nh // nkv, 1)
-        att = torch.softmax(torch.einsum("qhd,khd->hqk", q, k) / d**0.5, -1)  # all of context + whole block
+        scores = torch.einsum("qhd,khd->hqk", q, k) / d**0.5  # all of context + whole block, unless sliding
+        sliding = cfg.layer_types is not None and cfg.layer_types[i] == "sliding_attention"
+        causal = sliding if cfg.is_causal is None else cfg.is_causal
+        for slot in range(B):
+            for m in range(p + B):  # key position m (context m < p, block slot m - p); query position p + slot
+                hidden_by_window = sliding and abs(p + slot - m) >= cfg.sliding_window
+                if hidden_by_window or (causal and m > p + slot):
+                    scores[:, slot, m] = float("-inf")
+        att = torch.softmax(scores, -1)
         x = x + torch.einsum("hqk,khd->qhd", att, v).reshape(B, H) @ w["self_attn.o_proj.weight"].T
         h = rms(x, w["post_attention_layernorm.weight"])
         mlp = F.silu(h @ w["mlp.gate_proj.weight"].T) * (h @ w["mlp.up_proj.weight"].T)
@@ -64,8 +73,13 @@ def reference_block(drafter: DFlashDrafter, doc_features, doc_tokens, p: int) ->
     return rms(x, sd["norm.weight"])
 
 
-def test_drafter_matches_unpacked_reference():
-    drafter = tiny_drafter()
+@pytest.mark.parametrize("attention", [
+    {},
+    {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 5},  # causal sliding, bidir full
+    {"layer_types": ["full_attention", "sliding_attention"], "sliding_window": 3, "is_causal": False},
+])
+def test_drafter_matches_unpacked_reference(attention):
+    drafter = tiny_drafter(**attention)
     docs = [13, 9, 20]
     batch = packed_batch(docs, 48, seed=3)
     features = torch.randn(48, 3 * 32, dtype=torch.float64)

@@ -76,6 +76,11 @@ def test_checkpoint_has_only_drafter_weights(tiny_target):
     (DrafterConfig(block_size=16), {"token_budget": 8}, "token_budget \\(8\\) must be >= block_size \\(16\\)"),
     (DrafterConfig(), {"num_anchors": 0}, "num_anchors must be in 1..token_budget"),
     (DrafterConfig(block_size=12), {}, "gamma: no default for block_size 12"),
+    (DrafterConfig(num_layers=2, layer_types=["sliding_attention"], sliding_window=8), {},
+     "layer_types has 1 entries, the drafter has num_layers=2"),
+    (DrafterConfig(layer_types=["sliding"], sliding_window=8), {}, r"layer_types: unknown type\(s\) \['sliding'\]"),
+    (DrafterConfig(layer_types=["sliding_attention"]), {}, "sliding_window must be >= 1 for sliding_attention"),
+    (DrafterConfig(sliding_window=8), {}, "sliding_window \\(8\\) is set but no layer is sliding_attention"),
 ])
 def test_bad_configs_fail_before_any_compute(tiny_target, drafter, kw, message):
     with pytest.raises(ConfigError, match=message):

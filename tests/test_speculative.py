@@ -25,9 +25,9 @@ def target(tiny_target):
     return AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
 
 
-def random_drafter(target_model, block_size: int, seed: int = 0, layers: int = 2) -> DFlashDrafter:
+def random_drafter(target_model, block_size: int, seed: int = 0, layers: int = 2, **attention) -> DFlashDrafter:
     """A random drafter for the target: its weights are noise, so it drafts (almost) nothing right."""
-    cfg = DrafterConfig(num_layers=layers, block_size=block_size, mask_token_id=52, gamma=4.0)
+    cfg = DrafterConfig(num_layers=layers, block_size=block_size, mask_token_id=52, gamma=4.0, **attention)
     torch.manual_seed(seed)
     drafter = DFlashDrafter(cfg.resolved(target_model.config))
     for p in drafter.parameters():  # norms away from 1 so every weight matters
@@ -119,9 +119,14 @@ def test_max_new_tokens_is_exact(target):
         assert spec.tokens == truth[:n] and spec.accepted_lengths == decoder.expected
 
 
-def test_cached_drafting_equals_training_forward(tiny_target, target):
+SLIDING = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 5}
+
+
+@pytest.mark.parametrize("attention", [{}, SLIDING, {**SLIDING, "is_causal": False}], ids=["full", "sliding",
+                                                                                         "sliding-bidir"])
+def test_cached_drafting_equals_training_forward(tiny_target, target, attention):
     """DraftContext (context K/V appended chunk by chunk) gives block_hidden's states for the same anchor."""
-    drafter = random_drafter(target, 8).double()
+    drafter = random_drafter(target, 8, **attention).double()
     drafter.set_target_io(*(w.double() for w in load_target_io(str(tiny_target))))
     docs, starts = [13, 9, 20], [0, 13, 22]
     batch = packed_batch(docs, 48, vocab=50, seed=5)
@@ -137,6 +142,8 @@ def test_cached_drafting_equals_training_forward(tiny_target, target):
             if hi > lo:
                 context.extend(features[lo:hi], batch["position_ids"][lo:hi])
         assert len(context) == p - s
+        if attention and p > s:  # the sliding layer keeps only the W - 1 positions a later block can still see
+            assert context.keys[0].shape[0] == min(p - s, 4) and context.keys[1].shape[0] == p - s
         block = torch.full((8,), 52)
         block[0] = batch["input_ids"][p]
         cached = context.block_hidden(block, p - s)

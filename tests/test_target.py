@@ -10,7 +10,9 @@ from transformers import AutoModelForCausalLM
 from dflash_lightning.target import FeatureExtractor, load_target_io, packed_causal_mask, rank_devices
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])  # sdpa: our device-side mask; eager: transformers' own
+# sdpa: our dense device-side mask; eager: transformers' own; packed_flex: flex attention under our BlockMask
+# (the GPU default, here through the eager CPU kernel), no [T, T] mask.
+@pytest.mark.parametrize("attn", ["sdpa", "eager", "packed_flex"])
 def test_features_of_packed_documents_equal_per_document_hidden_states(tiny_target, attn):
     layer_ids = [1, 3, 5]  # 5 is the last layer: HF numbering gives its normed output
     extractor = FeatureExtractor.from_pretrained(str(tiny_target), layer_ids, torch.float32, attn_implementation=attn)
@@ -38,6 +40,36 @@ def test_packed_causal_mask_matches_a_plain_reference():
     doc = [0, 0, 0, 1, 1, 2, 2, 2, 2, 3]
     expected = torch.tensor([[doc[q] == doc[k] and k <= q for k in range(10)] for q in range(10)])
     assert torch.equal(packed_causal_mask(positions), expected)
+
+
+@pytest.mark.parametrize("docs,total,tile", [([11, 7, 19], 48, 16), ([300, 41, 517, 90, 700], 2000, 128)])
+def test_packed_causal_block_mask_is_the_dense_mask_in_tiles(docs, total, tile):
+    """Its mask_mod is the dense mask element by element; its tiles are create_block_mask's of that mask_mod."""
+    from torch.nn.attention.flex_attention import create_block_mask, create_mask
+
+    from dflash_lightning.target.features import packed_causal_block_mask
+
+    positions = packed_batch(docs, total)["position_ids"]  # padding is one more document
+    ours = packed_causal_block_mask(positions, tile)
+    dense = packed_causal_mask(positions)
+    assert torch.equal(create_mask(ours.mask_mod, None, None, total, total, device="cpu")[0, 0], dense)
+    evaluated = create_block_mask(ours.mask_mod, None, None, total, total, device="cpu", BLOCK_SIZE=tile)
+    for listed in ("kv_num_blocks", "full_kv_num_blocks"):
+        assert torch.equal(getattr(ours, listed), getattr(evaluated, listed)), listed
+    for count, indices in (("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices")):
+        n = getattr(ours, count)[0, 0]
+        for row in range(n.numel()):  # the same tiles in each query row (their order within a row is free)
+            mine = set(getattr(ours, indices)[0, 0, row, : n[row]].tolist())
+            assert mine == set(getattr(evaluated, indices)[0, 0, row, : n[row]].tolist()), (indices, row)
+    assert ours.kv_num_blocks.sum() > 0 and (total < 128 or ours.full_kv_num_blocks.sum() > 0)  # long documents
+
+
+def test_auto_attention_is_packed_flex_on_gpus_and_dense_on_the_cpu():
+    from dflash_lightning.target.features import PACKED_FLEX, attention_for
+
+    assert attention_for("auto", torch.device("cuda", 0)) == PACKED_FLEX
+    assert attention_for("auto", torch.device("cpu")) == "sdpa"
+    assert attention_for("eager", torch.device("cuda", 0)) == "eager"
 
 
 def test_target_io_reads_embedding_and_head(tiny_target):

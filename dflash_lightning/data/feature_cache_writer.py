@@ -256,7 +256,7 @@ def cache_manifest(dm: DFlashDataModule, target: str, target_dtype: str, layer_i
 
 def write_cache(
     dm: DFlashDataModule, target: str, layer_ids: Sequence[int], hidden_size: int, out: str | Path,
-    feature_format: FeatureFormat = "bf16", target_dtype: str = "bfloat16", attn_implementation: str = "sdpa",
+    feature_format: FeatureFormat = "bf16", target_dtype: str = "bfloat16", attn_implementation: str = "auto",
     shard_bytes: int = 1_000_000_000, forward_tokens: int | None = None, trainer_kwargs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Runs the target over `dm`'s samples with `Trainer.predict` and writes (or finishes) the cache; the manifest."""

@@ -1,10 +1,10 @@
 """A DFlash drafter for Hugging Face transformers, shipped inside exported folders (trust_remote_code).
 
 Self-contained on purpose (torch and transformers only): it is copied next to `config.json` and
-`model.safetensors` by `dflash_lightning.export`. Block queries attend densely, with no mask, over
-[context K/V; block K/V]: the caller passes only the context that the block may see. The verification
-rule (greedy, and speculative sampling of DFLASH.md section 6b) lives here too; dflash_lightning's own
-decoder imports it, so served and evaluated decoding share one implementation.
+`model.safetensors` by `dflash_lightning.export`. Block queries attend over [context K/V; block K/V]: the
+caller passes only the context that the block may see; sliding layers mask what their window hides. The
+verification rule (greedy, and speculative sampling of DFLASH.md section 6b) lives here too;
+dflash_lightning's own decoder imports it, so served and evaluated decoding share one implementation.
 """
 
 from __future__ import annotations
@@ -102,6 +102,12 @@ class DFlashAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=bias)
         self.q_norm = Qwen3RMSNorm(d, eps=config.rms_norm_eps)
         self.k_norm = Qwen3RMSNorm(d, eps=config.rms_norm_eps)
+        # DFLASH.md 3b: a sliding layer is causal inside the block unless config.json sets is_causal.
+        layer_types = getattr(config, "layer_types", None)
+        sliding = bool(layer_types) and layer_types[layer_idx] == "sliding_attention"
+        is_causal = getattr(config, "is_causal", None)
+        self.is_causal = sliding if is_causal is None else bool(is_causal)
+        self.sliding_window = config.sliding_window if sliding else None
 
     def forward(
         self, hidden_states: torch.Tensor, context: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -120,10 +126,26 @@ class DFlashAttention(nn.Module):
         k = k * cos + rotate_half(k) * sin
         if past_key_values is not None:  # earlier context K/V, kept by the caller's transformers cache
             k, v = past_key_values.update(k, v, self.layer_idx)
+        if attention_mask is None and (self.is_causal or self.sliding_window is not None):
+            attention_mask = self.block_mask(q_len, k.shape[2], q.device)
         groups = self.num_heads // self.num_kv_heads
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask)  # bidirectional: no causal mask
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask)  # full layers: bidirectional
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
+
+    def block_mask(self, q_len: int, k_len: int, device: torch.device) -> torch.Tensor:
+        """This layer's mask `[1, 1, q, k]` over keys of consecutive positions that end with the block's.
+
+        The query at position p + i sees key j when (p + i) - j < W, and a block key only up to itself when causal.
+        """
+        query = torch.arange(k_len - q_len, k_len, device=device)[:, None]
+        key = torch.arange(k_len, device=device)[None, :]
+        visible = torch.ones(q_len, k_len, dtype=torch.bool, device=device)
+        if self.is_causal:
+            visible &= key <= query
+        if self.sliding_window is not None:
+            visible &= (query - key < self.sliding_window) & (key - query < self.sliding_window)
+        return visible[None, None]
 
 
 class DFlashDecoderLayer(nn.Module):
@@ -181,7 +203,8 @@ class DFlashDraftModel(PreTrainedModel):
 
         Args:
             position_ids: Positions of the context tokens then of the block tokens, `[b, c + q]`.
-            attention_mask: Optional mask `[b, 1, q, cached + c + q]` (bool or additive); None: see everything.
+            attention_mask: Optional mask `[b, 1, q, cached + c + q]` (bool or additive), for every layer; None: each
+                layer's own (full layers see everything, sliding layers their window).
             noise_embedding: Target embeddings of the block `[x, MASK, ..., MASK]`, `[b, q, H]`.
             target_hidden: Concatenated target features of the context tokens, `[b, c, K*H]`.
             past_key_values: Optional transformers cache holding earlier context K/V (crop it after each block).

@@ -31,7 +31,7 @@ class TargetFeatures(Callback):
         placement: Literal["colocated", "separate", "sharded"] = "colocated",
         target_devices: list[str] | None = None,
         prefetch: int = 2,
-        attn_implementation: str = "sdpa",
+        attn_implementation: str = "auto",
     ) -> None:
         """
         Args:
@@ -44,7 +44,9 @@ class TargetFeatures(Callback):
             target_devices: Devices of the target copies for `separate` (e.g. [cuda:2, cuda:3]); with several
                 trainer devices per node they are dealt out among the node's ranks (see `rank_devices`).
             prefetch: Batches each separate target may compute ahead of the trainer (a bounded queue).
-            attn_implementation: transformers attention backend of the target (sdpa, eager, flex_attention).
+            attn_implementation: transformers attention backend of the target: `auto` (flex attention under a
+                BlockMask of the packed row's documents on GPUs, no `[T, T]` mask; SDPA with a dense mask on the
+                CPU), or one of transformers' own (sdpa, eager, flex_attention).
         """
         if placement == "separate" and not target_devices:
             raise ValueError("target.target_devices: name the devices of the target for placement 'separate'")
@@ -70,6 +72,8 @@ class TargetFeatures(Callback):
             return
         devices = rank_devices(self.target_devices, trainer.local_rank, trainer.num_devices)
         self.extractors = [self.load_extractor(d, layer_ids) for d in devices]
+        for extractor in self.extractors:  # compile a GPU target's flex kernel here, never in a prefetch thread
+            warm_up(extractor, pl_module.hparams.get("token_budget"))
         datamodule, device = trainer.datamodule, trainer.strategy.root_device
         for name in ("train_dataloader", "val_dataloader"):
             if not is_overridden(name, datamodule):  # a data module without validation keeps it that way
@@ -106,3 +110,12 @@ class TargetFeatures(Callback):
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
         self.add_features(batch)
+
+
+def warm_up(extractor: FeatureExtractor, token_budget: int | None) -> None:
+    """One forward of a row of `token_budget` tokens on a CUDA target, so its kernels compile on this thread."""
+    device = next(extractor.parameters()).device
+    if device.type != "cuda" or not token_budget:
+        return
+    positions = torch.arange(token_budget, device=device)
+    extractor(torch.zeros_like(positions), positions)

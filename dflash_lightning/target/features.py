@@ -10,7 +10,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.attention.flex_attention import BlockMask
 
+from dflash_lightning.blocks import interval_block_mask
+from dflash_lightning.model import masked_attention
 from dflash_lightning.target.loading import decoder_layers, resolve_model_dir
 from dflash_lightning.target.sharded import sharded_model
 
@@ -36,15 +39,18 @@ class FeatureExtractor(nn.Module):
     @classmethod
     def from_pretrained(
         cls, path: str, layer_ids: list[int], dtype: torch.dtype = torch.bfloat16,
-        device: torch.device | str = "cpu", attn_implementation: str = "sdpa", mesh: DeviceMesh | None = None,
+        device: torch.device | str = "cpu", attn_implementation: str = "auto", mesh: DeviceMesh | None = None,
     ) -> FeatureExtractor:
         """Load only the decoder layers the features need (no LM head).
 
         With `mesh`, the target is sharded across the mesh's ranks (FSDP2): each rank reads only its rows
         of every weight and holds 1/N of the target; a forward gathers one layer's weights at a time.
+        `attn_implementation` "auto" is `packed_flex` on CUDA and `sdpa` elsewhere (`attention_for`).
         """
         from transformers import AutoConfig, AutoModel
         from transformers.utils import logging as hf_logging
+
+        attn_implementation = attention_for(attn_implementation, torch.device(device))
 
         folder = resolve_model_dir(path)
         config = AutoConfig.from_pretrained(folder)
@@ -79,11 +85,14 @@ class FeatureExtractor(nn.Module):
     @torch.no_grad()
     def forward(self, input_ids: Tensor, position_ids: Tensor) -> Tensor:
         """Context features of a packed row `[T]`: per-document causal attention.  # [T, K*H]"""
-        # Positions restarting at 0 mark document starts. For SDPA the per-document causal mask is built
-        # here, on the device; left to transformers, finding the documents costs a host sync per forward.
+        # Positions restarting at 0 mark document starts. The per-document causal mask is built here, on the
+        # device; left to transformers, finding the documents costs a host sync per forward.
         self._captured.clear()
         mask = None
-        if getattr(self.model.config, "_attn_implementation", None) == "sdpa":
+        implementation = getattr(self.model.config, "_attn_implementation", None)
+        if implementation in (PACKED_FLEX, "flex_attention"):
+            mask = packed_causal_block_mask(position_ids)  # tiles only: no [T, T] tensor
+        elif implementation == "sdpa":
             mask = packed_causal_mask(position_ids)[None, None]  # [1, 1, T, T], True = attend
         self.model(input_ids=input_ids[None], position_ids=position_ids[None], attention_mask=mask, use_cache=False)
         if hasattr(self.model, "reshard"):  # a sharded target: free the gathered root weights too
@@ -94,10 +103,59 @@ class FeatureExtractor(nn.Module):
 
 
 
-def packed_causal_mask(position_ids: Tensor) -> Tensor:
-    """Causal attention within each document of a packed row whose positions restart at 0.  # [T, T] bool"""
+def packed_documents(position_ids: Tensor) -> Tensor:
+    """Document number of every token of a packed row whose positions restart at 0 (or jump).  # [T]"""
     starts = torch.ones_like(position_ids, dtype=torch.bool)
     starts[1:] = position_ids[1:] != position_ids[:-1] + 1
-    doc = starts.cumsum(0)
+    return starts.cumsum(0)
+
+
+def packed_causal_mask(position_ids: Tensor) -> Tensor:
+    """Causal attention within each document of a packed row whose positions restart at 0.  # [T, T] bool"""
+    doc = packed_documents(position_ids)
     index = torch.arange(position_ids.numel(), device=position_ids.device)
     return (doc[:, None] == doc[None, :]) & (index[:, None] >= index[None, :])
+
+
+def packed_causal_block_mask(position_ids: Tensor, tile: int = 128) -> BlockMask:
+    """The BlockMask of `packed_causal_mask`, from each token's key range [start of its document, itself].
+
+    It holds (T / tile)^2 tile entries, built through a [T, T / tile] count: 32 MB at a 32K-token row, where the
+    dense mask is 1 GB.
+    """
+    doc = packed_documents(position_ids)
+    index = torch.arange(doc.numel(), device=doc.device)
+    doc_start = torch.cummax(torch.where(doc != torch.roll(doc, 1), index, 0), 0).values  # [T] (index 0 starts)
+
+    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return (doc[q_idx] == doc[kv_idx]) & (kv_idx <= q_idx)
+
+    return interval_block_mask([(doc_start, index + 1)], doc.numel(), tile, mask_mod)
+
+
+# transformers attention name of `packed_flex_attention` ("flash" must not be in it: transformers reads that as FA).
+PACKED_FLEX = "packed_flex"
+
+
+def packed_flex_attention(
+    module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: BlockMask,
+    scaling: float | None = None, dropout: float = 0.0, **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """A transformers attention function: flex attention of `[1, heads, T, D]` under the packed row's BlockMask.
+
+    The kernel is the drafter's own (`masked_attention`: compiled on CUDA, eager on the CPU, forward only here).
+    """
+    out = masked_attention(query, key, value, attention_mask, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None  # [1, T, heads, D], as transformers' own backends return
+
+
+def attention_for(attn_implementation: str, device: torch.device) -> str:
+    """The transformers attention backend to load: "auto" is `packed_flex` on CUDA (a BlockMask of the row's
+    documents, no `[T, T]` mask), `sdpa` elsewhere (a dense mask: flex has no fast CPU kernel)."""
+    from transformers import AttentionInterface
+
+    if PACKED_FLEX not in AttentionInterface._global_mapping:
+        AttentionInterface.register(PACKED_FLEX, packed_flex_attention)
+    if attn_implementation == "auto":
+        return PACKED_FLEX if device.type == "cuda" else "sdpa"
+    return attn_implementation
