@@ -5,7 +5,7 @@ then `evaluate` of its last.ckpt on the 74 held-out prompts, as the README's fir
 
     python benchmarks/objective_ab.py --out benchmarks/results/tiny-objectives.json
 
-Runs go one at a time (the machine's cores are shared); a run whose report exists is read, not redone.
+Runs go one at a time (the machine's cores are shared), seed by seed; a finished run is read, not redone.
 """
 
 from __future__ import annotations
@@ -103,23 +103,28 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"--recipes: unknown {unknown}; known: {list(RECIPES)}")
     records = []
+    for seed in seeds:  # seed-major: an interrupted A/B still has every recipe
+        for name in names:
+            records.append(one_run(name, seed, args.work.resolve(), base, args.config))
+            print(json.dumps(records[-1]), flush=True)
+            write_result(args, seeds, names, records)  # partial results survive an interruption
+
+
+def write_result(args: argparse.Namespace, seeds: list[int], names: list[str], records: list[dict]) -> None:
+    """The A/B JSON: per recipe the mean, spread and values of served tau (pooled, and mean of per-prompt)."""
+    recipes = {}
     for name in names:
-        for seed in seeds:
-            record = one_run(name, seed, args.work.resolve(), base, args.config)
-            records.append(record)
-            print(json.dumps(record), flush=True)
+        runs = [r for r in records if r["recipe"] == name]
+        if runs:
+            recipes[name] = {"settings": RECIPES[name], "seeds": [r["seed"] for r in runs],
+                             **{key: summary(runs, key) for key in ("tau", "tau_per_prompt_mean", "fit_s")}}
     result = {
         "date": time.strftime("%Y-%m-%d"), "config": args.config, "seeds": seeds, "prompts": PROMPTS,
         "command": "python benchmarks/objective_ab.py " + " ".join(sys.argv[1:]),
-        "recipes": {n: {"settings": RECIPES[n],
-                        "tau": summary([r for r in records if r["recipe"] == n], "tau"),
-                        "tau_per_prompt_mean": summary([r for r in records if r["recipe"] == n], "tau_per_prompt_mean"),
-                        "fit_s": summary([r for r in records if r["recipe"] == n], "fit_s")} for n in names},
-        "runs": records,
+        "recipes": recipes, "runs": records,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result["recipes"], indent=2))
 
 
 if __name__ == "__main__":
