@@ -8,7 +8,8 @@ weights (no download). Reproduce on an H200 with:
 FLOPs per step (model FLOPs, forward + backward, no recomputation counted):
   linear layers   6 * tokens * in * out   (q, o, MLP on A*B block rows; k, v on block + context rows; fc on T rows)
   attention       12 * head_dim * heads * visible (query, key) pairs, counted from the batch's block mask
-  frozen head     4 * A*B * hidden * vocab (logits forward and the hidden-state gradient; no weight gradient)
+  frozen head     4 * A*B * hidden * vocab (logits forward and the hidden-state gradient; no weight gradient),
+                  plus 2 * A*B * hidden * vocab for the teacher's logits when the objective distills
 MFU = FLOPs / step seconds / measured bf16 matmul peak.
 
 Also reported: the compile warm-up (all warm-up steps minus as many steady steps) with a fresh compiler
@@ -116,15 +117,18 @@ class RandomData(LightningDataModule):
 
 
 class RandomFeatures(Callback):
-    """Stands in for the target: fixed random context features already on the GPU."""
+    """Stands in for the target: fixed random context features (and final hidden states) already on the GPU."""
 
     def setup(self, trainer, pl_module, stage):
-        cfg = pl_module.drafter_config
-        shape = (pl_module.hparams.token_budget, cfg.num_context_layers * cfg.hidden_size)
-        self.features = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+        cfg, T = pl_module.drafter_config, pl_module.hparams.token_budget
+        self.features = torch.randn(T, cfg.num_context_layers * cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+        self.final = torch.randn(T, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+        self.distills = pl_module.loss_settings.distills
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         batch["context_features"] = self.features
+        if self.distills:
+            batch["final_hidden"] = self.final
 
 
 class StepTimer(Callback):
@@ -243,12 +247,13 @@ def step_flops(module: DFlashModule, batch: dict[str, torch.Tensor]) -> float:
     visible_ctx = (anchors - starts[doc]) * valid  # context positions strictly before each anchor
     pairs = float(((visible_ctx + B) * B).sum())
     attention = 12 * d * hq * pairs * cfg.num_layers
-    head = 4 * N * H * V
+    head = (6 if module.loss_settings.distills else 4) * N * H * V
     return float(linear + attention + head)
 
 
 def run_fit(target: Path, compile: bool, mode: str | None, warmup: int, measured: int, features: Callback,
-            logs: Path, token_budget: int = 8192, anchors: int = 512, profile_steps: int = 0) -> dict:
+            logs: Path, token_budget: int = 8192, anchors: int = 512, profile_steps: int = 0,
+            objective: str = "ce", loss_weights: str = "decay") -> dict:
     """One Trainer.fit (progress bar and CSV logger on, as users run it); timings, memory, recompiles, syncs."""
     from lightning.pytorch.loggers import CSVLogger
 
@@ -256,6 +261,7 @@ def run_fit(target: Path, compile: bool, mode: str | None, warmup: int, measured
     module = DFlashModule(
         str(target), DrafterConfig(num_layers=5, block_size=16, mask_token_id=MASK_ID),
         token_budget=token_budget, num_anchors=anchors, compile=compile, compile_mode=mode, metrics_every=8,
+        objective=objective, loss_weights=loss_weights,
     )
     timer = StepTimer(warmup, measured, profile_steps)
     data = RandomData(token_budget, steps=warmup + measured + profile_steps + 1)
@@ -268,7 +274,8 @@ def run_fit(target: Path, compile: bool, mode: str | None, warmup: int, measured
     flops = step_flops(module, data.batches[0])
     N = anchors * module.drafter_config.block_size
     return {
-        "compile": compile, "mode": mode, "first_step_s": timer.first, "warmup_steps": warmup,
+        "compile": compile, "mode": mode, "objective": objective, "loss_weights": loss_weights,
+        "first_step_s": timer.first, "warmup_steps": warmup,
         "warmup_s": timer.warmup_s, "compile_s": timer.warmup_s - warmup * timer.steady, "step_s": timer.steady,
         "draft_tokens_per_s": N / timer.steady, "context_tokens_per_s": token_budget / timer.steady,
         "tflop_per_step": flops / 1e12, "tflops": flops / timer.steady / 1e12, "peak_gb": timer.peak_gb,
@@ -277,9 +284,9 @@ def run_fit(target: Path, compile: bool, mode: str | None, warmup: int, measured
     }
 
 
-def warm_cache_probe(target: Path, mode: str, warmup: int) -> dict:
+def warm_cache_probe(target: Path, mode: str, warmup: int, extra: tuple[str, ...] = ()) -> dict:
     """The same compiled fit in a fresh process that finds the compiler caches the first run filled."""
-    cmd = [sys.executable, __file__, "--probe-target", str(target), "--modes", mode, "--warmup", str(warmup)]
+    cmd = [sys.executable, __file__, "--probe-target", str(target), "--modes", mode, "--warmup", str(warmup), *extra]
     done = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode or not lines:
@@ -308,21 +315,24 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--pipeline-steps", type=int, default=200, help="measured steps of the co-located pipeline")
     parser.add_argument("--skip", default="", help="comma list of parts to skip: eager,pipeline,warm")
+    parser.add_argument("--objective", default="ce", choices=["ce", "kl", "ce+kl"], help="model.objective")
+    parser.add_argument("--loss-weights", default="decay", choices=["decay", "dpace"], help="model.loss_weights")
     parser.add_argument("--probe-target", type=Path, default=None, help=argparse.SUPPRESS)  # warm-cache child
     args = parser.parse_args()
+    recipe = {"objective": args.objective, "loss_weights": args.loss_weights}
     torch.set_float32_matmul_precision("high")
     skip = set(args.skip.split(","))
     if args.probe_target:
         with tempfile.TemporaryDirectory() as logs:
             mode = None if args.modes == "default" else args.modes
-            run = run_fit(args.probe_target, True, mode, args.warmup, 10, RandomFeatures(), Path(logs))
+            run = run_fit(args.probe_target, True, mode, args.warmup, 10, RandomFeatures(), Path(logs), **recipe)
         print(json.dumps({k: run[k] for k in ("first_step_s", "warmup_s", "compile_s", "step_s")}))
         return
     # A fresh compiler cache unless one is given: the first compiled mode is measured cold.
     cache = os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="inductor-"))
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
               "inductor_cache": cache, "cpu_count": os.cpu_count(),
-              "shape": {"token_budget": 8192, "anchors": 512, "block": 16, "layers": 5, **QWEN3_8B}}
+              "shape": {"token_budget": 8192, "anchors": 512, "block": 16, "layers": 5, **QWEN3_8B}, **recipe}
     peak = matmul_peak()
     result["bf16_matmul_peak_tflops"] = peak / 1e12
     out = Path(os.environ["OUT"], "bench.json") if os.environ.get("OUT") else None
@@ -341,17 +351,18 @@ def main() -> None:
             name = f"compiled[{mode}]"
             try:
                 runs[name] = run_fit(target, True, None if mode == "default" else mode, args.warmup, args.steps,
-                                     RandomFeatures(), logs, profile_steps=3 if i == 0 else 0)
+                                     RandomFeatures(), logs, profile_steps=3 if i == 0 else 0, **recipe)
                 runs[name]["mfu"] = runs[name]["tflops"] * 1e12 / peak
             except Exception as err:  # a mode that fails is reported, not fatal
                 runs[name] = {"error": f"{type(err).__name__}: {err}"[:2000]}
             if i == 0:
                 runs[name]["compile_breakdown_s"] = compile_breakdown()
                 if "warm" not in skip:
-                    runs[name]["warm_cache"] = warm_cache_probe(target, mode, args.warmup)
+                    runs[name]["warm_cache"] = warm_cache_probe(
+                        target, mode, args.warmup, ("--objective", args.objective, "--loss-weights", args.loss_weights))
             report("drafter_step", runs)
         if "eager" not in skip:
-            runs["eager"] = run_fit(target, False, None, 3, 10, RandomFeatures(), logs)
+            runs["eager"] = run_fit(target, False, None, 3, 10, RandomFeatures(), logs, **recipe)
             runs["eager"]["mfu"] = runs["eager"]["tflops"] * 1e12 / peak
             report("drafter_step", runs)
         best = min((r for r in runs.values() if "step_s" in r and r["compile"]), key=lambda r: r["step_s"])
@@ -359,14 +370,15 @@ def main() -> None:
             from transformers import AutoModel, Qwen3Config
 
             torch.manual_seed(0)
-            cfg = Qwen3Config(**{**QWEN3_8B, "num_hidden_layers": 34})  # layers past max(ids)=33 are never run
+            distills = args.objective != "ce"  # distillation runs the whole target for its final hidden states
+            cfg = Qwen3Config(**{**QWEN3_8B, "num_hidden_layers": 36 if distills else 34})  # else past 33: unused
             with torch.device("cuda"):
                 model = AutoModel.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
-            extractor = FeatureExtractor(model, [1, 9, 17, 25, 33], 36).cuda()
+            extractor = FeatureExtractor(model, [1, 9, 17, 25, 33], 36, final_hidden=distills).cuda()
             t_rate = target_rate(extractor, 8192)
             callback = TargetFeatures(str(target))
             callback.extractor = extractor
-            pipe = run_fit(target, True, best["mode"], args.warmup, args.pipeline_steps, callback, logs)
+            pipe = run_fit(target, True, best["mode"], args.warmup, args.pipeline_steps, callback, logs, **recipe)
             d_rate = best["context_tokens_per_s"]
             bound = 1 / (1 / t_rate + 1 / d_rate)
             report("colocated_pipeline", {
