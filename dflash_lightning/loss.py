@@ -82,9 +82,10 @@ class _HeadLoss(torch.autograd.Function):
             if topk:
                 top.append(logits.topk(topk, dim=-1).indices)
             probs = torch.exp(logits - lse)
-            d_logits = probs * ce_coef  # d objective / d logits, per row  # [rows, V]
-            d_logits.scatter_add_(1, y, torch.full_like(probs[:, :1], -ce_coef))  # ce: softmax - onehot
-            row_loss = ce * ce_coef
+            d_logits, row_loss = None, ce * ce_coef  # d objective / d logits, per row  # [rows, V]
+            if ce_coef:
+                d_logits = probs.clone() if settings.distills else probs  # distillation reads probs again
+                d_logits.scatter_add_(1, y, -torch.ones_like(probs[:, :1]))  # softmax - onehot
             if settings.distills:
                 t_logits = (teacher[teacher_rows[start:end]] @ head.T).to(acc) / tau  # [rows, V]
                 log_p = t_logits - torch.logsumexp(t_logits, dim=-1, keepdim=True)
@@ -97,7 +98,8 @@ class _HeadLoss(torch.autograd.Function):
                 p = torch.exp(log_p)
                 # tau**2 keeps the gradient's scale independent of the temperature (Hinton et al.).
                 row_loss = row_loss + tau * tau * (p * (log_p - log_q)).sum(-1)
-                d_logits = d_logits + tau * (q - p)
+                d_kl = tau * (q - p)
+                d_logits = d_kl if d_logits is None else d_logits + d_kl
             total = total + (row_loss * w).sum()
             grad[start:end] = ((d_logits * w[:, None]).to(head.dtype) @ head).to(grad.dtype)
         ctx.save_for_backward(grad)
