@@ -14,7 +14,8 @@ sliding layers):
 FLOPs per step (model FLOPs, forward + backward, no recomputation counted):
   linear layers   6 * tokens * in * out   (q, o, MLP on A*B block rows; k, v on block + context rows; fc on T rows)
   attention       12 * head_dim * heads * visible (query, key) pairs, counted from the batch's block mask
-  frozen head     4 * A*B * hidden * vocab (logits forward and the hidden-state gradient; no weight gradient)
+  frozen head     4 * A*B * hidden * vocab (logits forward and the hidden-state gradient; no weight gradient),
+                  plus 2 * A*B * hidden * vocab for the teacher's logits when the objective distills
 MFU = FLOPs / step seconds / measured bf16 matmul peak.
 
 Also reported: the compile warm-up (all warm-up steps minus as many steady steps) with a fresh compiler
@@ -124,15 +125,18 @@ class RandomData(LightningDataModule):
 
 
 class RandomFeatures(Callback):
-    """Stands in for the target: fixed random context features already on the GPU."""
+    """Stands in for the target: fixed random context features (and final hidden states) already on the GPU."""
 
     def setup(self, trainer, pl_module, stage):
-        cfg = pl_module.drafter_config
-        shape = (pl_module.hparams.token_budget, cfg.num_context_layers * cfg.hidden_size)
-        self.features = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+        cfg, T = pl_module.drafter_config, pl_module.hparams.token_budget
+        self.features = torch.randn(T, cfg.num_context_layers * cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+        self.final = torch.randn(T, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+        self.distills = pl_module.loss_settings.distills
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         batch["context_features"] = self.features
+        if self.distills:
+            batch["final_hidden"] = self.final
 
 
 class StepTimer(Callback):
@@ -246,7 +250,7 @@ def step_flops(module: DFlashModule, batch: dict[str, torch.Tensor]) -> float:
     per_layer = N * H * hq * d * 2 + (N + T) * H * hkv * d * 2 + 3 * N * H * mlp
     linear = 6 * (cfg.num_layers * per_layer + T * cfg.num_context_layers * H * H)
     attention = 12 * d * hq * visible_pairs(cfg, batch, A)
-    head = 4 * N * H * V
+    head = (6 if module.loss_settings.distills else 4) * N * H * V
     return float(linear + attention + head)
 
 
@@ -277,7 +281,8 @@ def drafter_shape(sliding_layers: int = 0, sliding_window: int = 2048) -> Drafte
 
 def run_fit(target: Path, compile: bool, mode: str | None, warmup: int, measured: int, features: Callback,
             logs: Path, token_budget: int = 8192, anchors: int = 512, profile_steps: int = 0,
-            drafter: DrafterConfig | None = None, doc_tokens: tuple[int, int] = (300, 3000)) -> dict:
+            drafter: DrafterConfig | None = None, doc_tokens: tuple[int, int] = (300, 3000),
+            objective: str = "ce", loss_weights: str = "decay") -> dict:
     """One Trainer.fit (progress bar and CSV logger on, as users run it); timings, memory, recompiles, syncs."""
     from lightning.pytorch.loggers import CSVLogger
 
@@ -285,6 +290,7 @@ def run_fit(target: Path, compile: bool, mode: str | None, warmup: int, measured
     module = DFlashModule(
         str(target), drafter or drafter_shape(),
         token_budget=token_budget, num_anchors=anchors, compile=compile, compile_mode=mode, metrics_every=8,
+        objective=objective, loss_weights=loss_weights,
     )
     timer = StepTimer(warmup, measured, profile_steps)
     data = RandomData(token_budget, steps=warmup + measured + profile_steps + 1, doc_tokens=doc_tokens)
@@ -297,7 +303,8 @@ def run_fit(target: Path, compile: bool, mode: str | None, warmup: int, measured
     flops = step_flops(module, data.batches[0])
     N = anchors * module.drafter_config.block_size
     return {
-        "compile": compile, "mode": mode, "first_step_s": timer.first, "warmup_steps": warmup,
+        "compile": compile, "mode": mode, "objective": objective, "loss_weights": loss_weights,
+        "first_step_s": timer.first, "warmup_steps": warmup,
         "warmup_s": timer.warmup_s, "compile_s": timer.warmup_s - warmup * timer.steady, "step_s": timer.steady,
         "draft_tokens_per_s": N / timer.steady, "context_tokens_per_s": token_budget / timer.steady,
         "tflop_per_step": flops / 1e12, "tflops": flops / timer.steady / 1e12, "peak_gb": timer.peak_gb,
@@ -345,19 +352,24 @@ def main() -> None:
     parser.add_argument("--sliding-window", type=int, default=2048, help="window W of the sliding layers")
     parser.add_argument("--doc-tokens", default="300,3000", help="lo,hi: random documents' length range")
     parser.add_argument("--target-attention", default="auto", help="attention of the pipeline's target (auto, sdpa)")
+    parser.add_argument("--objective", default="ce", choices=["ce", "kl", "ce+kl"], help="model.objective")
+    parser.add_argument("--loss-weights", default="decay", choices=["decay", "dpace"], help="model.loss_weights")
     parser.add_argument("--probe-target", type=Path, default=None, help=argparse.SUPPRESS)  # warm-cache child
     args = parser.parse_args()
+    recipe = {"objective": args.objective, "loss_weights": args.loss_weights}
     torch.set_float32_matmul_precision("high")
     skip = set(args.skip.split(","))
     doc_tokens = tuple(int(n) for n in args.doc_tokens.split(","))
     shape_args = [f"--token-budget={args.token_budget}", f"--anchors={args.anchors}", f"--doc-tokens={args.doc_tokens}",
-                  f"--sliding-layers={args.sliding_layers}", f"--sliding-window={args.sliding_window}"]
+                  f"--sliding-layers={args.sliding_layers}", f"--sliding-window={args.sliding_window}",
+                  f"--objective={args.objective}", f"--loss-weights={args.loss_weights}"]
     shape = dict(token_budget=args.token_budget, anchors=args.anchors, doc_tokens=doc_tokens,
                  drafter=drafter_shape(args.sliding_layers, args.sliding_window))
     if args.probe_target:
         with tempfile.TemporaryDirectory() as logs:
             mode = None if args.modes == "default" else args.modes
-            run = run_fit(args.probe_target, True, mode, args.warmup, 10, RandomFeatures(), Path(logs), **shape)
+            run = run_fit(args.probe_target, True, mode, args.warmup, 10, RandomFeatures(), Path(logs), **shape,
+                          **recipe)
         print(json.dumps({k: run[k] for k in ("first_step_s", "warmup_s", "compile_s", "step_s")}))
         return
     # A fresh compiler cache unless one is given: the first compiled mode is measured cold.
@@ -366,7 +378,8 @@ def main() -> None:
               "inductor_cache": cache, "cpu_count": os.cpu_count(),
               "shape": {"token_budget": args.token_budget, "anchors": args.anchors, "block": 16, "layers": 5,
                         "layer_types": shape["drafter"].layer_types, "sliding_window": shape["drafter"].sliding_window,
-                        "doc_tokens": list(doc_tokens), "target_attention": args.target_attention, **QWEN3_8B}}
+                        "doc_tokens": list(doc_tokens), "target_attention": args.target_attention, **QWEN3_8B},
+              **recipe}
     peak = matmul_peak()
     result["bf16_matmul_peak_tflops"] = peak / 1e12
     out = Path(os.environ["OUT"], "bench.json") if os.environ.get("OUT") else None
@@ -385,7 +398,7 @@ def main() -> None:
             name = f"compiled[{mode}]"
             try:
                 runs[name] = run_fit(target, True, None if mode == "default" else mode, args.warmup, args.steps,
-                                     RandomFeatures(), logs, profile_steps=3 if i == 0 else 0, **shape)
+                                     RandomFeatures(), logs, profile_steps=3 if i == 0 else 0, **shape, **recipe)
                 runs[name]["mfu"] = runs[name]["tflops"] * 1e12 / peak
             except Exception as err:  # a mode that fails is reported, not fatal
                 runs[name] = {"error": f"{type(err).__name__}: {err}"[:2000]}
@@ -395,7 +408,7 @@ def main() -> None:
                     runs[name]["warm_cache"] = warm_cache_probe(target, mode, args.warmup, shape_args)
             report("drafter_step", runs)
         if "eager" not in skip:
-            runs["eager"] = run_fit(target, False, None, 3, 10, RandomFeatures(), logs, **shape)
+            runs["eager"] = run_fit(target, False, None, 3, 10, RandomFeatures(), logs, **shape, **recipe)
             runs["eager"]["mfu"] = runs["eager"]["tflops"] * 1e12 / peak
             report("drafter_step", runs)
         best = min((r for r in runs.values() if "step_s" in r and r["compile"]), key=lambda r: r["step_s"])
@@ -403,15 +416,17 @@ def main() -> None:
             from transformers import AutoModel, Qwen3Config
 
             torch.manual_seed(0)
-            cfg = Qwen3Config(**{**QWEN3_8B, "num_hidden_layers": 34})  # layers past max(ids)=33 are never run
+            distills = args.objective != "ce"  # distillation runs the whole target for its final hidden states
+            cfg = Qwen3Config(**{**QWEN3_8B, "num_hidden_layers": 36 if distills else 34})  # else past 33: unused
             attention = attention_for(args.target_attention, torch.device("cuda"))  # auto: no [T, T] mask
             with torch.device("cuda"):
                 model = AutoModel.from_config(cfg, dtype=torch.bfloat16, attn_implementation=attention)
-            extractor = FeatureExtractor(model, [1, 9, 17, 25, 33], 36).cuda()
+            extractor = FeatureExtractor(model, [1, 9, 17, 25, 33], 36, final_hidden=distills).cuda()
             t_rate = target_rate(extractor, args.token_budget, doc_tokens=doc_tokens)
             callback = TargetFeatures(str(target))
             callback.extractor = extractor
-            pipe = run_fit(target, True, best["mode"], args.warmup, args.pipeline_steps, callback, logs, **shape)
+            pipe = run_fit(target, True, best["mode"], args.warmup, args.pipeline_steps, callback, logs, **shape,
+                           **recipe)
             d_rate = best["context_tokens_per_s"]
             bound = 1 / (1 / t_rate + 1 / d_rate)
             report("colocated_pipeline", {

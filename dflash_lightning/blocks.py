@@ -1,4 +1,4 @@
-"""The block rules of DFLASH.md sections 3-4: anchors, block inputs, labels, slot weights, block mask.
+"""The block rules of DFLASH.md sections 3-4b: anchors, block inputs, labels, slot weights, block mask.
 
 One implementation of each rule, used by training, evaluation and export; every tensor has a fixed
 shape set by the token budget T, the anchor count A and the block size B, so the step compiles once.
@@ -16,6 +16,30 @@ def slot_weights(block_size: int, gamma: float, device: torch.device | str | Non
     """Loss weight of each slot: 0 for slot 0, exp(-(k-1)/gamma) for slot k >= 1.  # [B]"""
     k = torch.arange(block_size, dtype=torch.float32, device=device)
     return torch.where(k == 0, torch.zeros_like(k), torch.exp(-(k - 1) / gamma))
+
+
+def base_slot_weights(block_size: int, loss_weights: str, gamma: float) -> Tensor:
+    """Per-slot weights before the data: the decay of section 4, or 1 for every slot k >= 1 under D-PACE.  # [B]
+
+    Under D-PACE the weights follow from each step's CE inside the loss (`dpace_weights`); here they
+    only mark which slots count.
+    """
+    if loss_weights == "dpace":
+        return (torch.arange(block_size) > 0).float()
+    return slot_weights(block_size, gamma)
+
+
+def dpace_weights(ce: Tensor, supervised: Tensor, alpha: float = 0.5) -> Tensor:
+    """D-PACE slot weights of blocks (DFLASH.md section 4b) from their per-slot CE `[..., B]`.  # [..., B]
+
+    `w_k = m_k * sum_{j>=k} m_j * prod_{i<=j} s_i` with `s_i = (1 - alpha) * exp(-CE_i) + alpha` where slot i
+    is supervised (`m_i`), else 1: the derivative of the expected accepted length by `log s_k`. No gradient.
+    """
+    ce = ce.detach().float()
+    s = torch.where(supervised, (1 - alpha) * torch.exp(-ce) + alpha, torch.ones_like(ce))
+    reach = torch.cumprod(s, dim=-1) * supervised  # m_j * prod_{i<=j} s_i (slot 0 is never supervised)
+    suffix = reach.flip(-1).cumsum(-1).flip(-1)  # sum over j >= k
+    return suffix * supervised
 
 
 def anchor_candidates(loss_mask: Tensor, doc_ids: Tensor) -> Tensor:
@@ -46,6 +70,14 @@ def select_anchors(
 def block_positions(anchors: Tensor, block_size: int) -> Tensor:
     """Packed-sequence index of every slot: anchor + k.  # [A, B]"""
     return anchors[:, None] + torch.arange(block_size, device=anchors.device)
+
+
+def teacher_positions(anchors: Tensor, block_size: int, total: int) -> Tensor:
+    """Packed index of the target hidden state that predicts each slot: anchor + k - 1 (section 4c).  # [A, B]
+
+    Slot 0 and slots past the budget are clamped into the row; their weight is 0.
+    """
+    return (block_positions(anchors, block_size) - 1).clamp(0, total - 1)
 
 
 def block_input_ids(input_ids: Tensor, anchors: Tensor, block_size: int, mask_token_id: int) -> Tensor:

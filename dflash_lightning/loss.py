@@ -1,4 +1,4 @@
-"""Weighted cross-entropy through the frozen target head, in chunks (DFLASH.md sections 4 and 8).
+"""The training objective through the frozen target head, in chunks (DFLASH.md sections 4, 4b, 4c and 8).
 
 The head is frozen, so only the gradient with respect to the drafter's hidden states is needed: it is
 computed chunk by chunk in the forward pass, and no `[A*B, vocab]` fp32 tensor ever exists whole.
@@ -6,54 +6,135 @@ computed chunk by chunk in the forward pass, and no `[A*B, vocab]` fp32 tensor e
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Literal
+
 import torch
 from torch import Tensor
 
+from dflash_lightning.blocks import dpace_weights
+from dflash_lightning.config import ConfigError
 
-class _HeadCrossEntropy(torch.autograd.Function):
-    """sum(w * CE(hidden @ head.T, labels)) with its hidden-state gradient made in the forward pass."""
+OBJECTIVES = ("ce", "kl", "ce+kl")
+LOSS_WEIGHTS = ("decay", "dpace")
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """What the head loss computes: objective, slot weighting and distillation temperature."""
+
+    objective: Literal["ce", "kl", "ce+kl"] = "ce"
+    """ce: against the data tokens; kl: KL(target || drafter) of the target's own distribution; ce+kl: both."""
+    loss_weights: Literal["decay", "dpace"] = "decay"
+    """decay: w_k = exp(-(k-1)/gamma); dpace: from each step's per-slot CE (DFLASH.md section 4b)."""
+    alpha: float = 0.5
+    """D-PACE smoothing, s_k = (1 - alpha) * q_k + alpha."""
+    temperature: float = 1.0
+    """Distillation temperature tau: KL of softmax(logits / tau), scaled by tau**2."""
+
+    def __post_init__(self) -> None:
+        if self.objective not in OBJECTIVES:
+            raise ConfigError(f"objective must be one of {OBJECTIVES}, got '{self.objective}'")
+        if self.loss_weights not in LOSS_WEIGHTS:
+            raise ConfigError(f"loss_weights must be one of {LOSS_WEIGHTS}, got '{self.loss_weights}'")
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ConfigError(f"dpace_alpha must be in [0, 1], got {self.alpha}")
+        if not self.temperature > 0:
+            raise ConfigError(f"temperature must be > 0, got {self.temperature}")
+
+    @property
+    def distills(self) -> bool:
+        """Whether the target's final hidden state is needed (the teacher of section 4c)."""
+        return self.objective != "ce"
+
+
+class _HeadLoss(torch.autograd.Function):
+    """sum(w * objective) over rows of `hidden @ head.T`, with its hidden-state gradient made in the forward pass."""
 
     @staticmethod
-    def forward(ctx, hidden: Tensor, head: Tensor, labels: Tensor, weights: Tensor, chunk: int, topk: int):
+    def forward(
+        ctx, hidden: Tensor, head: Tensor, labels: Tensor, weights: Tensor, teacher: Tensor | None,
+        teacher_rows: Tensor | None, block_size: int, chunk: int, topk: int, settings: LossSettings,
+    ):
         n = hidden.shape[0]
         grad = torch.empty_like(hidden)  # [N, H]
         acc = torch.promote_types(hidden.dtype, torch.float32)  # bf16 logits are reduced in fp32
         total = torch.zeros((), dtype=acc, device=hidden.device)
+        ce_total = torch.zeros((), dtype=acc, device=hidden.device)
+        used = torch.empty(n, dtype=acc, device=hidden.device)  # [N] the weights this step used
+        ce_coef = 0.0 if settings.objective == "kl" else 1.0
+        tau = settings.temperature
         top = []
-        for start in range(0, n, chunk):
-            end = min(start + chunk, n)
-            h, y, w = hidden[start:end], labels[start:end, None], weights[start:end, None].to(acc)
-            logits = (h @ head.T).to(acc)  # [chunk, V]
+        rows = max(1, chunk // block_size) * block_size  # whole blocks: D-PACE needs every slot of a block
+        for start in range(0, n, rows):
+            end = min(start + rows, n)
+            h, y = hidden[start:end], labels[start:end, None]
+            logits = (h @ head.T).to(acc)  # [rows, V]
             lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-            total = total + ((lse - logits.gather(1, y)) * w).sum()
+            ce = (lse - logits.gather(1, y))[:, 0]  # [rows]
+            if settings.loss_weights == "dpace":
+                supervised = (weights[start:end] > 0).view(-1, block_size)
+                w = dpace_weights(ce.view(-1, block_size), supervised, settings.alpha).flatten().to(acc)
+            else:
+                w = weights[start:end].to(acc)
+            used[start:end] = w
+            ce_total = ce_total + (ce * w).sum()
             if topk:
                 top.append(logits.topk(topk, dim=-1).indices)
             probs = torch.exp(logits - lse)
-            probs.scatter_add_(1, y, -torch.ones_like(probs[:, :1]))  # softmax - onehot
-            grad[start:end] = ((probs * w).to(head.dtype) @ head).to(grad.dtype)
+            d_logits, row_loss = None, ce * ce_coef  # d objective / d logits, per row  # [rows, V]
+            if ce_coef:
+                d_logits = probs.clone() if settings.distills else probs  # distillation reads probs again
+                d_logits.scatter_add_(1, y, -torch.ones_like(probs[:, :1]))  # softmax - onehot
+            if settings.distills:
+                t_logits = (teacher[teacher_rows[start:end]] @ head.T).to(acc) / tau  # [rows, V]
+                log_p = t_logits - torch.logsumexp(t_logits, dim=-1, keepdim=True)
+                if tau == 1.0:
+                    log_q, q = logits - lse, probs
+                else:
+                    s_logits = logits / tau
+                    log_q = s_logits - torch.logsumexp(s_logits, dim=-1, keepdim=True)
+                    q = torch.exp(log_q)
+                p = torch.exp(log_p)
+                # tau**2 keeps the gradient's scale independent of the temperature (Hinton et al.).
+                row_loss = row_loss + tau * tau * (p * (log_p - log_q)).sum(-1)
+                d_kl = tau * (q - p)
+                d_logits = d_kl if d_logits is None else d_logits + d_kl
+            total = total + (row_loss * w).sum()
+            grad[start:end] = ((d_logits * w[:, None]).to(head.dtype) @ head).to(grad.dtype)
         ctx.save_for_backward(grad)
         top_ids = torch.cat(top) if topk else labels.new_empty(n, 0)
-        ctx.mark_non_differentiable(top_ids)
-        return total, top_ids
+        ctx.mark_non_differentiable(ce_total, used, top_ids)
+        return total, ce_total, used, top_ids
 
     @staticmethod
-    def backward(ctx, grad_loss: Tensor, _grad_top: Tensor):
+    def backward(ctx, grad_loss: Tensor, _grad_ce: Tensor, _grad_used: Tensor, _grad_top: Tensor):
         (grad,) = ctx.saved_tensors
-        return grad * grad_loss.to(grad.dtype), None, None, None, None, None
+        return grad * grad_loss.to(grad.dtype), None, None, None, None, None, None, None, None, None
 
 
 def chunked_head_loss(
     hidden: Tensor, head: Tensor, labels: Tensor, weights: Tensor, chunk: int = 4096, topk: int = 0,
-    denominator: Tensor | None = None,
-) -> tuple[Tensor, Tensor | None]:
-    """Loss sum(w * CE) / denominator over rows `hidden [N, H]`, plus the top-k token ids `[N, k]` if asked.
+    block_size: int = 1, settings: LossSettings = LossSettings(),  # noqa: B008 (frozen)
+    teacher: Tensor | None = None, teacher_rows: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """sum(w * objective), sum(w * CE), the weights `[N]` and top-k ids `[N, k]` over rows `hidden [N, H]`.
 
-    The denominator defaults to sum(w); data-parallel training passes `rank_mean_weight(weights)`.
+    Rows are blocks of `block_size` slots. `weights` are the decay weights, or for D-PACE any weights whose
+    non-zeros mark the supervised slots. With distillation, teacher row i is `teacher[teacher_rows[i]]`
+    (the target's final hidden states). The caller divides the sums by the (global) weight sum.
     """
-    denominator = weights.sum() if denominator is None else denominator
-    norm = weights / denominator.clamp_min(1e-12)
-    loss, top = _HeadCrossEntropy.apply(hidden, head.to(hidden.dtype), labels, norm, chunk, topk)
-    return loss, (top if topk else None)
+    if settings.distills and (teacher is None or teacher_rows is None):
+        raise ValueError(f"objective '{settings.objective}' needs the target's final hidden states (teacher)")
+    if hidden.shape[0] % block_size:
+        raise ValueError(f"{hidden.shape[0]} rows are not whole blocks of {block_size}")
+    head = head.to(hidden.dtype)
+    teacher = teacher.to(hidden.dtype) if settings.distills else None
+    total, ce, used, top = _HeadLoss.apply(
+        hidden, head, labels, weights, teacher, teacher_rows if settings.distills else None, block_size, chunk,
+        topk, settings,
+    )
+    return total, ce, used, (top if topk else None)
 
 
 def rank_mean_weight(weights: Tensor) -> Tensor:

@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from dflash_lightning.blocks import block_input_ids, block_labels, build_block_mask
+from dflash_lightning.blocks import block_input_ids, block_labels, build_block_mask, teacher_positions
 from dflash_lightning.config import DrafterConfig
-from dflash_lightning.loss import chunked_head_loss, rank_mean_weight
+from dflash_lightning.loss import LossSettings, chunked_head_loss, rank_mean_weight
 
 
 class RMSNorm(nn.Module):
@@ -183,9 +183,13 @@ class DraftOutput:
     """What one training forward returns; `topk` is None unless asked for."""
 
     loss: Tensor
-    """Weighted cross-entropy, sum(w * CE) / sum(w)."""
+    """The objective, sum(w * objective) / sum(w)."""
+    ce: Tensor
+    """Weighted cross-entropy against the labels, sum(w * CE) / sum(w), whatever the objective (no gradient)."""
     weights: Tensor
-    """Loss weight of every slot.  # [A, B]"""
+    """Loss weight of every slot this step (D-PACE: from this step's CE).  # [A, B]"""
+    supervised: Tensor
+    """Slots that count: a valid anchor, k >= 1, label in the loss mask and the anchor's document.  # [A, B]"""
     labels: Tensor
     """Target token of every slot.  # [A, B]"""
     topk: Tensor | None
@@ -209,6 +213,7 @@ class DFlashDrafter(nn.Module):
         self.register_buffer("embed_weight", None, persistent=False)
         self.register_buffer("head_weight", None, persistent=False)
         self.head_chunk_size = 4096
+        self.loss_settings = LossSettings()
         self.head_loss = chunked_head_loss
         self.reset_parameters()
 
@@ -270,15 +275,26 @@ class DFlashDrafter(nn.Module):
     def forward(
         self, features: Tensor, input_ids: Tensor, position_ids: Tensor, doc_ids: Tensor, loss_mask: Tensor,
         anchors: Tensor, anchor_valid: Tensor, slot_weights: Tensor, topk: int = 0,
+        final_hidden: Tensor | None = None,
     ) -> DraftOutput:
-        """One training forward over a packed batch: blocks, weighted CE through the chunked frozen head."""
+        """One training forward over a packed batch: blocks, the weighted objective through the chunked frozen head.
+
+        `slot_weights [B]` are `blocks.base_slot_weights`; `final_hidden [T, H]` (the target's final normed
+        hidden states) is needed when `loss_settings` distills.
+        """
+        B, settings = self.config.block_size, self.loss_settings
         hidden = self.block_hidden(features, input_ids, position_ids, doc_ids, anchors, anchor_valid)
         labels, weights = block_labels(input_ids, loss_mask, doc_ids, anchors, anchor_valid, slot_weights)
-        loss, top = self.head_loss(
+        teacher_rows = teacher_positions(anchors, B, input_ids.numel()).flatten() if settings.distills else None
+        total, ce, used, top = self.head_loss(
             hidden.flatten(0, 1), self.head_weight, labels.flatten(), weights.flatten(), self.head_chunk_size, topk,
-            rank_mean_weight(weights),
+            B, settings, final_hidden, teacher_rows,
         )
-        return DraftOutput(loss, weights, labels, None if top is None else top.unflatten(0, labels.shape))
+        denominator = rank_mean_weight(used).clamp_min(1e-12)
+        return DraftOutput(
+            loss=total / denominator, ce=ce / denominator, weights=used.view_as(weights), supervised=weights > 0,
+            labels=labels, topk=None if top is None else top.unflatten(0, labels.shape),
+        )
 
     def logits(self, hidden: Tensor) -> Tensor:
         """Full logits through the frozen head (serving and tests, not the training step)."""

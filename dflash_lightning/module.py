@@ -9,14 +9,15 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
-from dflash_lightning.blocks import select_anchors, slot_weights
+from dflash_lightning.blocks import base_slot_weights, select_anchors
 from dflash_lightning.config import ConfigError, DrafterConfig
+from dflash_lightning.loss import LossSettings
 from dflash_lightning.metrics import DraftMetrics
 from dflash_lightning.model import DFlashDrafter, DraftOutput
 from dflash_lightning.target import load_target_config, load_target_io, tokenizer_ids
@@ -27,7 +28,7 @@ BATCH_KEYS = ("input_ids", "position_ids", "doc_ids", "loss_mask")
 class StepBuffers(nn.Module):
     """Persistent fixed-shape inputs of the training step (static addresses for CUDA graphs)."""
 
-    def __init__(self, token_budget: int, feature_dim: int, block_size: int, gamma: float) -> None:
+    def __init__(self, token_budget: int, feature_dim: int, slot_weights: Tensor, final_dim: int = 0) -> None:
         super().__init__()
         t = token_budget
         self.register_buffer("input_ids", torch.zeros(t, dtype=torch.long), persistent=False)
@@ -35,11 +36,15 @@ class StepBuffers(nn.Module):
         self.register_buffer("doc_ids", torch.full((t,), -1, dtype=torch.int32), persistent=False)
         self.register_buffer("loss_mask", torch.zeros(t, dtype=torch.bool), persistent=False)
         self.register_buffer("features", torch.zeros(t, feature_dim), persistent=False)  # [T, K*H]
-        self.register_buffer("slot_weights", slot_weights(block_size, gamma), persistent=False)  # [B]
+        self.register_buffer("slot_weights", slot_weights, persistent=False)  # [B]
+        # The target's final normed hidden states, the teacher of distillation; absent for plain CE.
+        final = torch.zeros(t, final_dim) if final_dim else None  # [T, H]
+        self.register_buffer("final_hidden", final, persistent=False)
 
     def load(self, batch: dict[str, Tensor]) -> None:
         """Copy one packed batch in; a batch of another shape is refused with the field named."""
-        for key in (*BATCH_KEYS, "features"):
+        keys = (*BATCH_KEYS, "features", *(("final_hidden",) if self.final_hidden is not None else ()))
+        for key in keys:
             src = batch["context_features" if key == "features" else key]
             dst = getattr(self, key)
             if src.shape != dst.shape:
@@ -67,6 +72,10 @@ class DFlashModule(LightningModule):
         metrics_every: int = 8,
         topk: tuple[int, ...] = (1, 5, 10),
         head_chunk_size: int = 4096,
+        objective: Literal["ce", "kl", "ce+kl"] = "ce",
+        loss_weights: Literal["decay", "dpace"] = "decay",
+        dpace_alpha: float = 0.5,
+        temperature: float = 1.0,
     ) -> None:
         """
         Args:
@@ -85,7 +94,16 @@ class DFlashModule(LightningModule):
                 the cold compile (33 s for the Qwen3-8B recipe on an H200, 5 s warm).
             metrics_every: Compute and log accuracy and acceptance metrics every N training batches.
             topk: Top-k accuracies to report; must include 1.
-            head_chunk_size: Rows of the frozen head's logits made at once in the loss.
+            head_chunk_size: Rows of the frozen head's logits made at once in the loss (rounded down to whole
+                blocks, at least one).
+            objective: `ce`: cross-entropy against the data tokens; `kl`: KL(target || drafter), distilling the
+                target's own distribution through the same frozen head (needs the whole target forward);
+                `ce+kl`: their sum (DFLASH.md section 4c).
+            loss_weights: Slot weights: `decay`, exp(-(k-1)/gamma); `dpace`, from each step's per-slot CE, how
+                much the expected accepted length depends on each slot (DFLASH.md section 4b).
+            dpace_alpha: D-PACE smoothing alpha in [0, 1]: s_k = (1 - alpha) * q_k + alpha.
+            temperature: Distillation temperature: KL of the softmaxes of logits / temperature, times
+                temperature**2.
         """
         super().__init__()
         self.save_hyperparameters()
@@ -97,6 +115,7 @@ class DFlashModule(LightningModule):
             raise ConfigError(f"num_anchors must be in 1..token_budget ({token_budget}), got {num_anchors}")
         if metrics_every < 1:
             raise ConfigError(f"metrics_every must be >= 1, got {metrics_every}")
+        self.loss_settings = LossSettings(objective, loss_weights, dpace_alpha, temperature)
         self.train_metrics = DraftMetrics(cfg.block_size, topk)
         self.val_metrics = DraftMetrics(cfg.block_size, topk)
         self.drafter: DFlashDrafter | None = None
@@ -109,10 +128,13 @@ class DFlashModule(LightningModule):
         cfg, hp = self.drafter_config, self.hparams
         self.drafter = DFlashDrafter(cfg)
         self.drafter.head_chunk_size = hp.head_chunk_size
+        self.drafter.loss_settings = self.loss_settings
         embed, head = load_target_io(hp.target)
         self.drafter.set_target_io(embed, head)
         self.buffers_ = StepBuffers(
-            hp.token_budget, cfg.num_context_layers * cfg.hidden_size, cfg.block_size, cfg.loss_gamma
+            hp.token_budget, cfg.num_context_layers * cfg.hidden_size,
+            base_slot_weights(cfg.block_size, hp.loss_weights, cfg.loss_gamma),
+            cfg.hidden_size if self.loss_settings.distills else 0,
         )
         if hp.compile:
             if hp.compile_cache_dir:  # read by inductor at its first compile, which comes after this
@@ -123,6 +145,11 @@ class DFlashModule(LightningModule):
         """Loss (and top-k ids) of one packed batch through the persistent buffers."""
         if "context_features" not in batch:
             raise RuntimeError("batch has no 'context_features': add the TargetFeatures callback to the Trainer")
+        if self.loss_settings.distills and "final_hidden" not in batch:
+            raise RuntimeError(
+                f"model.objective '{self.hparams.objective}' needs the target's final hidden states ('final_hidden') "
+                "in each batch: TargetFeatures adds them; a feature cache must be written with --final_hidden true"
+            )
         buf = self.buffers_
         if self.hparams.compile and self.hparams.compile_mode == "reduce-overhead":
             torch.compiler.cudagraph_mark_step_begin()  # CUDA graph outputs of the last step may be overwritten
@@ -130,22 +157,25 @@ class DFlashModule(LightningModule):
         anchors, valid = select_anchors(buf.loss_mask, buf.doc_ids, self.hparams.num_anchors, generator)
         return self.drafter(
             buf.features, buf.input_ids, buf.position_ids, buf.doc_ids, buf.loss_mask,
-            anchors, valid, buf.slot_weights, topk,
+            anchors, valid, buf.slot_weights, topk, buf.final_hidden,
         )
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         measure = batch_idx % self.hparams.metrics_every == 0
         out = self.step(batch, max(self.hparams.topk) if measure else 0)
         if measure:  # logging only here keeps host syncs off the other steps
-            self.train_metrics.update(out.topk, out.labels, out.weights)
-            self._log_metrics("train", self.train_metrics.compute(), out.loss)
+            self.train_metrics.update(out.topk, out.labels, out.supervised)
+            extra = {"ce": out.ce} if self.loss_settings.distills else {}
+            self._log_metrics("train", {**extra, **self.train_metrics.compute()}, out.loss)
             self.train_metrics.reset()
         return out.loss
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         out = self.step(batch, max(self.hparams.topk))
-        self.val_metrics.update(out.topk, out.labels, out.weights)
+        self.val_metrics.update(out.topk, out.labels, out.supervised)
         self.log("val/loss", out.loss, prog_bar=True, batch_size=1, sync_dist=True)  # epoch mean over ranks
+        if self.loss_settings.distills:  # comparable across objectives
+            self.log("val/ce", out.ce, batch_size=1, sync_dist=True)
 
     def on_validation_epoch_end(self) -> None:
         self._log_metrics("val", self.val_metrics.compute())

@@ -39,3 +39,19 @@ def test_step_bench_counts_the_pairs_each_layers_mask_shows():
                 for i in range(cfg.num_layers))
     assert visible_pairs(cfg, batch, 24) == dense
     assert visible_pairs(drafter_shape(), batch, 24) > dense  # the window hides pairs
+
+
+def test_objective_ab_run_config_moves_every_output_and_sets_the_recipe(tmp_path):
+    import yaml
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from objective_ab import RECIPES, run_config
+    finally:
+        sys.path.pop(0)
+    base = yaml.safe_load((ROOT / "configs/tiny.yaml").read_text())
+    cfg = run_config(base, tmp_path / "run", 2, RECIPES["dpace-kl"])
+    assert cfg["seed_everything"] == 2 and cfg["model"]["objective"] == "kl" and cfg["model"]["loss_weights"] == "dpace"
+    text = yaml.safe_dump(cfg)
+    assert "runs/tiny" not in text and text.count(str(tmp_path / "run")) == 4  # root, 2 loggers, checkpoints
+    assert base["model"].get("objective") is None  # the base config is left as it was

@@ -14,8 +14,10 @@ from dflash_lightning.blocks import (
     block_labels,
     block_mask_mod,
     build_block_mask,
+    dpace_weights,
     select_anchors,
     slot_weights,
+    teacher_positions,
     tiled_block_mask,
 )
 
@@ -153,3 +155,44 @@ def test_block_inputs_labels_and_weights():
             if ok:
                 assert labels[a, k] == ids[j]
     assert weights[1, 2:].eq(0).all()  # anchor 4 of the 6-token document: slots past its end are 0
+
+
+def reference_dpace(ce: list[list[float]], supervised: list[list[bool]], alpha: float) -> list[list[float]]:
+    """DFLASH.md section 4b slot by slot: w_k = m_k * sum_{j >= k} m_j * prod_{i=1..j} s_i."""
+    out = []
+    for ce_row, m in zip(ce, supervised, strict=True):
+        s = [(1 - alpha) * math.exp(-c) + alpha if m[i] else 1.0 for i, c in enumerate(ce_row)]
+        row = []
+        for k in range(len(ce_row)):
+            total = 0.0
+            for j in range(k, len(ce_row)):
+                prod = 1.0
+                for i in range(1, j + 1):
+                    prod *= s[i]
+                total += m[j] * prod
+            row.append(m[k] * total)
+        out.append(row)
+    return out
+
+
+@pytest.mark.parametrize("alpha", [0.5, 0.0, 1.0])
+def test_dpace_weights_match_a_plain_loop_over_slots(alpha):
+    g = torch.Generator().manual_seed(0)
+    ce = torch.rand(5, 8, generator=g, dtype=torch.float64) * 4
+    supervised = torch.ones(5, 8, dtype=torch.bool)
+    supervised[:, 0] = False  # slot 0 predicts nothing
+    supervised[1, 5:] = False  # past the document's end
+    supervised[2, 3] = False  # a label outside the loss mask mid-block
+    supervised[3] = False  # an invalid anchor
+    w = dpace_weights(ce, supervised, alpha)
+    ref = torch.tensor(reference_dpace(ce.tolist(), supervised.tolist(), alpha), dtype=torch.float32)
+    torch.testing.assert_close(w, ref)
+    assert (w[~supervised] == 0).all() and (w[supervised] > 0).all()
+    if alpha == 1.0:  # no dependence on the CE: w_k counts the supervised slots from k on
+        assert w[0].tolist() == [0, 7, 6, 5, 4, 3, 2, 1]
+
+
+def test_teacher_positions_are_the_token_before_each_slot():
+    anchors = torch.tensor([0, 5, 9])
+    pos = teacher_positions(anchors, 4, 11)
+    assert pos.tolist() == [[0, 0, 1, 2], [4, 5, 6, 7], [8, 9, 10, 10]]

@@ -62,9 +62,10 @@ def _sharded_rank(rank: int, world: int, port: int, target: str, out: dict) -> N
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
-    extractor = FeatureExtractor.from_pretrained(target, [1, 3, 5], torch.float32, mesh=init_device_mesh("cpu", (2,)))
+    mesh = init_device_mesh("cpu", (2,))
+    extractor = FeatureExtractor.from_pretrained(target, [1, 3, 5], torch.float32, mesh=mesh, final_hidden=True)
     batch = packed_batch([11, 20 + 5 * rank], 48, vocab=50, seed=rank)  # each rank its own batch
-    feats = [extractor(batch["input_ids"], batch["position_ids"]) for _ in range(2)]
+    feats = [extractor.extract(batch["input_ids"], batch["position_ids"]) for _ in range(2)]
     held = sum(p.to_local().numel() for p in extractor.parameters())
     out[rank] = (feats, held)
     dist.destroy_process_group()
@@ -74,14 +75,14 @@ def test_sharded_target_gives_each_rank_the_features_of_its_own_batch(tiny_targe
     """placement 'sharded': two ranks hold half the target each and compute the unsharded features."""
     out = mp.Manager().dict()
     mp.start_processes(_sharded_rank, args=(2, 29534, str(tiny_target), out), nprocs=2, join=True, start_method="fork")
-    full = FeatureExtractor.from_pretrained(str(tiny_target), [1, 3, 5], torch.float32)  # last layer 5: normed
+    full = FeatureExtractor.from_pretrained(str(tiny_target), [1, 3, 5], torch.float32, final_hidden=True)
     total = sum(p.numel() for p in full.parameters())
     for rank in range(2):
         batch = packed_batch([11, 20 + 5 * rank], 48, vocab=50, seed=rank)
-        expected = full(batch["input_ids"], batch["position_ids"])
+        expected = full.extract(batch["input_ids"], batch["position_ids"])  # last layer 5: normed
         feats, held = out[rank]
         for f in feats:  # a second forward finds the weights resharded and gathers them again
-            torch.testing.assert_close(f, expected, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(f, expected, rtol=1e-5, atol=1e-5)  # features and final hidden states
         assert held <= total // 2 + 64  # half of every weight's rows (rounded up per tensor)
     assert out[0][1] + out[1][1] == total
 

@@ -20,7 +20,7 @@ from dflash_lightning.speculative import SpeculativeDecoder, target_generate
 from dflash_lightning.target import load_target_io
 
 
-def make_checkpoint(target: Path, path: Path, block_size: int = 8) -> Path:
+def make_checkpoint(target: Path, path: Path, block_size: int = 8, **module_kw) -> Path:
     """A real Lightning checkpoint of a DFlashModule after one training step on the tiny target."""
     from lightning.pytorch import Trainer
     from torch.utils.data import DataLoader
@@ -30,7 +30,7 @@ def make_checkpoint(target: Path, path: Path, block_size: int = 8) -> Path:
 
     torch.manual_seed(0)
     module = DFlashModule(str(target), DrafterConfig(num_layers=2, block_size=block_size), token_budget=64,
-                          num_anchors=8)
+                          num_anchors=8, **module_kw)
     trainer = Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False,
                       callbacks=[TargetFeatures(str(target), dtype="float32")])
@@ -58,6 +58,21 @@ def published_weight_names(layers: int) -> set[str]:
         names |= {f"layers.{i}.self_attn.{p}_norm.weight" for p in "qk"}
         names |= {f"layers.{i}.mlp.{p}_proj.weight" for p in ("gate", "up", "down")}
     return names
+
+
+def test_training_settings_ride_in_the_checkpoint_and_stay_out_of_the_served_folder(tiny_target, tmp_path, folder):
+    """objective, loss weights, alpha, temperature: hyper-parameters of the checkpoint; config.json is unchanged."""
+    from dflash_lightning.module import DFlashModule
+
+    settings = {"objective": "ce+kl", "loss_weights": "dpace", "dpace_alpha": 0.3, "temperature": 2.0}
+    path = make_checkpoint(tiny_target, tmp_path / "kl.ckpt", **settings)  # one distilling step, target online
+    hp = torch.load(path, map_location="cpu", weights_only=False)["hyper_parameters"]
+    assert {k: hp[k] for k in settings} == settings
+    restored = DFlashModule(**hp)  # what a resume or load_from_checkpoint builds
+    assert (restored.loss_settings.objective, restored.loss_settings.loss_weights) == ("ce+kl", "dpace")
+    assert (restored.loss_settings.alpha, restored.loss_settings.temperature) == (0.3, 2.0)
+    out = export_checkpoint(path, tmp_path / "hf")
+    assert json.loads((out / "config.json").read_text()) == json.loads((folder / "config.json").read_text())
 
 
 def test_folder_has_the_published_layout(folder):

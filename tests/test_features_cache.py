@@ -108,6 +108,36 @@ def test_bf16_cache_holds_the_target_features_bitwise(setup):
                 start += n
 
 
+def test_cache_with_final_hidden_states_round_trips_and_feeds_distillation(setup, tmp_path):
+    """`model.objective: kl` stores the target's final hidden states (bf16) and a fit reads them back."""
+    out = tmp_path / "kl"
+    cache_cli(setup, out, "--model.objective=kl", "--format", "fp8")
+    cache = FeatureCache(out)
+    assert cache.manifest["final_hidden"] is True and not FeatureCache(setup["root"] / "fp8").manifest["final_hidden"]
+    dm = make_dm(setup)
+    dm.setup("fit")
+    extractor = FeatureExtractor.from_pretrained(setup["target"], LAYER_IDS, torch.float32, final_hidden=True)
+    reader = cache.split("train", final_hidden=True)
+    rows = fcw._ForwardRows(cache.manifest["splits"]["train"]["shards"], {"train": dm.train_samples}, 256)
+    for k in range(len(rows)):
+        row = rows[k]
+        final = extractor.extract(row["input_ids"], row["position_ids"])["final_hidden"]
+        start = 0
+        for i in rows.rows[k][2]:
+            stored = reader.document(i)["final_hidden"]
+            assert torch.equal(stored, final[start : start + stored.shape[0]].bfloat16())  # bf16 even in fp8
+            start += stored.shape[0]
+    batch = reader.packed(rows.rows[0][2], 256)
+    n = sum(reader.document(i)["final_hidden"].shape[0] for i in rows.rows[0][2])
+    assert batch["final_hidden"].shape == (256, 32) and (batch["final_hidden"][n:] == 0).all()
+    cli = cli_main(["fit", "--config", setup["config"], f"--data.feature_cache={out}", "--model.objective=kl",
+                    "--trainer.max_steps=2", "--trainer.limit_val_batches=0", f"--trainer.default_root_dir={tmp_path}"])
+    assert cli.trainer.global_step == 2
+    with pytest.raises(FeatureCacheError, match="has no final_hidden .* --final_hidden true"):
+        cli_main(["fit", "--config", setup["config"], f"--data.feature_cache={setup['root'] / 'bf16'}",
+                  "--model.objective=kl", "--trainer.max_steps=1", f"--trainer.default_root_dir={tmp_path}"])
+
+
 def test_fp8_cache_within_its_rounding_bound(setup):
     dm = make_dm(setup)
     dm.setup("fit")

@@ -9,7 +9,7 @@ from helpers import packed_batch
 
 from dflash_lightning.blocks import select_anchors, slot_weights
 from dflash_lightning.config import DrafterConfig
-from dflash_lightning.loss import chunked_head_loss
+from dflash_lightning.loss import LossSettings, chunked_head_loss
 from dflash_lightning.model import DFlashDrafter
 
 
@@ -117,15 +117,63 @@ def test_chunked_loss_and_grad_match_plain_cross_entropy():
     head = torch.randn(50, 16, dtype=torch.float64)
     labels = torch.randint(0, 50, (37,))
     weights = torch.rand(37, dtype=torch.float64) * (torch.rand(37) > 0.3)
-    loss, top = chunked_head_loss(hidden, head, labels, weights, chunk=8, topk=5)
+    total, ce, used, top = chunked_head_loss(hidden, head, labels, weights, chunk=8, topk=5)
+    loss = total / used.sum()
     (g,) = torch.autograd.grad(loss * 3, hidden)
     h2 = hidden.detach().clone().requires_grad_()
     logits = h2 @ head.T
     ref = (F.cross_entropy(logits, labels, reduction="none") * weights).sum() / weights.sum()
     (g2,) = torch.autograd.grad(ref * 3, h2)
     torch.testing.assert_close(loss.double(), ref)
+    torch.testing.assert_close(ce, total)
     torch.testing.assert_close(g, g2)
     assert torch.equal(top, logits.topk(5, -1).indices)
+
+
+def dense_objective(hidden, head, labels, weights, teacher_hidden, settings: LossSettings, block: int):
+    """The objective of DFLASH.md sections 4-4c on whole `[N, V]` logits, with autograd's own gradient."""
+    logits = hidden @ head.T
+    ce = F.cross_entropy(logits, labels, reduction="none")
+    if settings.loss_weights == "dpace":  # section 4b, written out per block
+        s = torch.where(weights > 0, (1 - settings.alpha) * torch.exp(-ce.detach()) + settings.alpha, 1.0)
+        s = s.view(-1, block)
+        m = (weights > 0).view(-1, block).double()
+        w = torch.zeros_like(s)
+        for k in range(block):
+            for j in range(k, block):
+                w[:, k] += m[:, k] * m[:, j] * s[:, 1:j + 1].prod(-1)
+        weights = w.flatten()
+    tau = settings.temperature
+    p = torch.softmax(teacher_hidden @ head.T / tau, -1)
+    kl = tau**2 * (p * (p.log() - torch.log_softmax(logits / tau, -1))).sum(-1)
+    row = {"ce": ce, "kl": kl, "ce+kl": ce + kl}[settings.objective]
+    return (row * weights).sum() / weights.sum(), (ce * weights).sum() / weights.sum(), weights
+
+
+@pytest.mark.parametrize("settings", [
+    LossSettings("ce", "dpace"), LossSettings("kl"), LossSettings("ce+kl", temperature=2.0),
+    LossSettings("kl", "dpace", alpha=0.3, temperature=0.5),
+])
+@pytest.mark.parametrize("chunk", [4, 11, 1000])  # one block, not whole blocks (rounded down), everything at once
+def test_objectives_chunked_match_the_dense_reference(settings, chunk):
+    g = torch.Generator().manual_seed(0)
+    block, n = 4, 36
+    hidden = torch.randn(n, 16, dtype=torch.float64, generator=g).requires_grad_()
+    head = torch.randn(50, 16, dtype=torch.float64, generator=g)
+    labels = torch.randint(0, 50, (n,), generator=g)
+    weights = torch.rand(n, dtype=torch.float64, generator=g) * (torch.rand(n, generator=g) > 0.3)
+    weights.view(-1, block)[:, 0] = 0
+    final = torch.randn(40, 16, dtype=torch.float64, generator=g)  # the target's final hidden states
+    rows = torch.randint(0, 40, (n,), generator=g)
+    total, ce, used, _ = chunked_head_loss(hidden, head, labels, weights, chunk, 0, block, settings, final, rows)
+    (grad,) = torch.autograd.grad(total / used.sum() * 3, hidden)
+    ref_hidden = hidden.detach().clone().requires_grad_()
+    ref, ref_ce, ref_w = dense_objective(ref_hidden, head, labels, weights, final[rows], settings, block)
+    (ref_grad,) = torch.autograd.grad(ref * 3, ref_hidden)
+    torch.testing.assert_close(used, ref_w, rtol=1e-6, atol=1e-7)  # D-PACE weights are made in fp32
+    torch.testing.assert_close(total / used.sum(), ref, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(ce / used.sum(), ref_ce, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-6, atol=1e-7)
 
 
 def test_training_forward_loss_and_weights():

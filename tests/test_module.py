@@ -47,6 +47,31 @@ def test_compiled_and_eager_give_the_same_loss_and_grads(tiny_target):
     assert losses[0] > 0
 
 
+@pytest.mark.parametrize("objective,loss_weights", [("kl", "decay"), ("ce+kl", "dpace")])  # ce: the test above
+def test_compiled_and_eager_agree_for_each_objective(tiny_target, objective, loss_weights):
+    kw = {"objective": objective, "loss_weights": loss_weights, "temperature": 1.5, "head_chunk_size": 20}
+    torch.manual_seed(0)
+    eager = make_module(tiny_target, **kw)
+    compiled = make_module(tiny_target, compile=True, **kw)
+    compiled.load_state_dict(eager.state_dict())
+    batch = batch_with_features(tiny_target, eager.drafter_config.target_layer_ids)
+    batch["final_hidden"] = torch.randn(64, 64, generator=torch.Generator().manual_seed(1))
+    outs = [m.step(batch, generator=torch.Generator().manual_seed(3)) for m in (eager, compiled)]
+    for out in outs:
+        out.loss.backward()
+    torch.testing.assert_close(outs[0].loss, outs[1].loss, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outs[0].weights, outs[1].weights, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(eager.drafter.fc.weight.grad, compiled.drafter.fc.weight.grad, rtol=1e-4, atol=1e-5)
+    assert torch.equal(outs[0].loss.detach(), outs[0].ce) == (objective == "ce")
+
+
+def test_distilling_without_the_targets_final_hidden_states_is_refused(tiny_target):
+    module = make_module(tiny_target, objective="kl")
+    batch = batch_with_features(tiny_target, module.drafter_config.target_layer_ids)
+    with pytest.raises(RuntimeError, match="objective 'kl' needs the target's final hidden states"):
+        module.step(batch)
+
+
 def test_compile_cache_dir_points_inductor_at_a_persistent_folder(tiny_target, tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "elsewhere")  # restored after the test
     make_module(tiny_target, compile=True, compile_cache_dir=str(tmp_path / "cache"))
@@ -81,6 +106,10 @@ def test_checkpoint_has_only_drafter_weights(tiny_target):
     (DrafterConfig(layer_types=["sliding"], sliding_window=8), {}, r"layer_types: unknown type\(s\) \['sliding'\]"),
     (DrafterConfig(layer_types=["sliding_attention"]), {}, "sliding_window must be >= 1 for sliding_attention"),
     (DrafterConfig(sliding_window=8), {}, "sliding_window \\(8\\) is set but no layer is sliding_attention"),
+    (DrafterConfig(), {"num_anchors": 8, "objective": "kd"}, "objective must be one of"),
+    (DrafterConfig(), {"num_anchors": 8, "loss_weights": "pace"}, "loss_weights must be one of"),
+    (DrafterConfig(), {"num_anchors": 8, "dpace_alpha": 1.5}, "dpace_alpha must be in \\[0, 1\\]"),
+    (DrafterConfig(), {"num_anchors": 8, "temperature": 0.0}, "temperature must be > 0"),
 ])
 def test_bad_configs_fail_before_any_compute(tiny_target, drafter, kw, message):
     with pytest.raises(ConfigError, match=message):

@@ -21,6 +21,9 @@ class FakeExtractor(nn.Module):
         self.calls += 1
         return input_ids.float()[:, None] + self.offset
 
+    def extract(self, input_ids, position_ids):
+        return {"context_features": self(input_ids, position_ids), "final_hidden": input_ids.float()[:, None]}
+
 
 def batches(n: int):
     for i in range(n):
@@ -43,6 +46,7 @@ def test_batches_come_in_order_from_several_targets():
     out = list(FeaturePrefetcher(Loader(10), extractors, torch.device("cpu"), depth=2))
     assert [int(b["input_ids"][0]) for b in out] == list(range(10))
     assert all(torch.equal(b["context_features"][:, 0], b["input_ids"].float()) for b in out)
+    assert all(torch.equal(b["final_hidden"][:, 0], b["input_ids"].float()) for b in out)  # every field travels
     assert [e.calls for e in extractors] == [4, 3, 3]  # work is spread round-robin
 
 

@@ -7,6 +7,7 @@ import torch
 from helpers import packed_batch
 from transformers import AutoModelForCausalLM
 
+from dflash_lightning.blocks import teacher_positions
 from dflash_lightning.target import FeatureExtractor, load_target_io, packed_causal_mask, rank_devices
 
 
@@ -33,6 +34,32 @@ def test_features_of_packed_documents_equal_per_document_hidden_states(tiny_targ
         torch.testing.assert_close(feats[start:start + n], expected, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(feats2[start:start + n], torch.cat([hs[1][0], hs[3][0]], -1), rtol=1e-4, atol=1e-4)
         start += n
+
+
+def test_teacher_from_final_hidden_states_is_the_hf_targets_next_token_distribution(tiny_target):
+    """softmax(head(final_hidden[p + k - 1])) of packed rows is the HF target's own distribution for slot k."""
+    extractor = FeatureExtractor.from_pretrained(str(tiny_target), [0, 2], torch.float32, final_hidden=True)
+    assert len(extractor.model.layers) == 6  # distillation runs the whole target
+    plain = FeatureExtractor.from_pretrained(str(tiny_target), [0, 2], torch.float32)
+    full = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
+    _, head = load_target_io(str(tiny_target))
+    docs = [11, 7, 19]
+    batch = packed_batch(docs, 48, vocab=50)
+    fields = extractor.extract(batch["input_ids"], batch["position_ids"])
+    torch.testing.assert_close(fields["context_features"], plain(batch["input_ids"], batch["position_ids"]))
+    teacher = torch.softmax(fields["final_hidden"] @ head.T, -1)  # [T, V]
+    start, expected = 0, []
+    for n in docs:
+        with torch.no_grad():
+            logits = full(batch["input_ids"][None, start:start + n]).logits[0]
+        expected.append(torch.softmax(logits, -1))
+        start += n
+    torch.testing.assert_close(teacher[:start], torch.cat(expected), rtol=1e-4, atol=1e-5)
+    anchors = torch.tensor([12, 14])  # in the second document; slot k of anchor p is predicted from position p + k - 1
+    rows = teacher_positions(anchors, 4, 48)
+    for a, p in enumerate(anchors.tolist()):
+        for k in range(1, 4):
+            torch.testing.assert_close(teacher[rows[a, k]], expected[1][p + k - 1 - 11], rtol=1e-4, atol=1e-5)
 
 
 def test_packed_causal_mask_matches_a_plain_reference():

@@ -277,8 +277,9 @@ class DFlashDataModule(LightningDataModule):
         if drafter is not None:  # the features must be those of the drafter's target and layers
             expected |= target_header(module.hparams.target, drafter.target_layer_ids, drafter.hidden_size)
         cache.check(expected)
+        final = getattr(getattr(module, "loss_settings", None), "distills", False)  # distillation's teacher
         for split in splits:
-            self._features[split] = cache.split(split)
+            self._features[split] = cache.split(split, final)
         _rank_zero(logging.INFO, f"context features of {', '.join(splits)} from {cache.folder} "
                    f"({cache.feature_format}, {cache.manifest['feature_dim']} per token)")
 

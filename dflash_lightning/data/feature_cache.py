@@ -8,6 +8,8 @@ Layout of `out/`:
     {split}-{i:05d}.safetensors   samples [first, end) of a split, laid end to end:
         features   [tokens, K*H] bf16, or float8_e4m3fn with `scales` [tokens] fp32 (row absmax / 448)
         input_ids  [tokens] int32;  loss_mask [tokens] bool;  starts [samples + 1] int64 (offsets in the shard)
+        final_hidden  [tokens, H] bf16, the target's final normed hidden state (distillation's teacher, DFLASH.md
+            section 4c); only in a cache whose manifest has `final_hidden: true`
     progress-rank{r}.json     shards a rank finished while the run is in progress (merged at the end)
 """
 
@@ -88,7 +90,7 @@ COMPARED = (
     "splits.*.samples_sha256",
 )
 # ... and a resumed cache run also these, which decide the shards already written.
-WRITER_COMPARED = ("feature_format", "target.dtype", "writing.shard_bytes", "writing.forward_tokens")
+WRITER_COMPARED = ("feature_format", "final_hidden", "target.dtype", "writing.shard_bytes", "writing.forward_tokens")
 
 
 def _get(tree: dict[str, Any], dotted: str) -> Any:
@@ -180,9 +182,10 @@ class SplitFeatures:
     """The context features of one split's samples, gathered into packed rows."""
 
     def __init__(self, folder: Path, shards: list[dict[str, Any]], feature_format: FeatureFormat,
-                 feature_dim: int) -> None:
+                 feature_dim: int, hidden_size: int | None = None) -> None:
+        """`hidden_size`: also read the stored final hidden states (a cache written with them)."""
         self.folder, self.shards = folder, shards
-        self.feature_format, self.feature_dim = feature_format, feature_dim
+        self.feature_format, self.feature_dim, self.hidden_size = feature_format, feature_dim, hidden_size
         self.firsts = [s["first"] for s in shards]
         self._open: OrderedDict[int, Shard] = OrderedDict()  # least recently used first
 
@@ -200,23 +203,27 @@ class SplitFeatures:
         return self._open[k]
 
     def document(self, i: int) -> dict[str, Tensor]:
-        """Views of sample i's stored tensors: features [n, K*H] (+ scales [n]), input_ids, loss_mask."""
+        """Views of sample i's stored tensors: features [n, K*H] (+ scales [n]), input_ids, loss_mask, and
+        final_hidden [n, H] if this reader reads them."""
         k = bisect_right(self.firsts, i) - 1
         shard = self.shard(k).tensors
         starts = shard["starts"]
         a, b = int(starts[i - self.firsts[k]]), int(starts[i - self.firsts[k] + 1])
         names = ("features", "scales", "input_ids", "loss_mask") if self.feature_format == "fp8" else (
             "features", "input_ids", "loss_mask")
+        names += ("final_hidden",) if self.hidden_size else ()
         return {name: shard[name][a:b] for name in names}
 
     def packed(self, row: Sequence[int], token_budget: int) -> dict[str, Tensor]:
         """Features of the documents of a packed row, laid out as `collate_documents` lays out their tokens.
 
         bf16: `context_features` [T, K*H]; fp8: `context_features_fp8` [T, K*H] and `context_scales` [T],
-        dequantised on the device by `DFlashDataModule.on_after_batch_transfer`. Padding rows are zero.
+        dequantised on the device by `DFlashDataModule.on_after_batch_transfer`. With `hidden_size`, also
+        `final_hidden` [T, H] bf16. Padding rows are zero.
         """
         values = torch.empty(token_budget, self.feature_dim, dtype=STORED[self.feature_format])
         scales = torch.empty(token_budget, dtype=torch.float32) if self.feature_format == "fp8" else None
+        final = torch.zeros(token_budget, self.hidden_size, dtype=torch.bfloat16) if self.hidden_size else None
         start = 0
         for i in row:
             doc = self.document(i)
@@ -224,12 +231,15 @@ class SplitFeatures:
             values[start:end] = doc["features"]
             if scales is not None:
                 scales[start:end] = doc["scales"]
+            if final is not None:
+                final[start:end] = doc["final_hidden"]
             start = end
         values[start:].view(torch.uint8).zero_()  # fp8 has no zero_ kernel; zero bytes are 0.0 in both formats
+        out = {"final_hidden": final} if final is not None else {}
         if scales is None:
-            return {"context_features": values}
+            return {"context_features": values, **out}
         scales[start:] = 0.0
-        return {"context_features_fp8": values, "context_scales": scales}
+        return {"context_features_fp8": values, "context_scales": scales, **out}
 
 
 class FeatureCache:
@@ -260,10 +270,18 @@ class FeatureCache:
                 raise FeatureCacheError(f"feature cache {self.folder} has no '{split}' split "
                                         f"(it has {sorted(self.manifest['splits'])})")
 
-    def split(self, name: str) -> SplitFeatures:
-        """The reader of one split; every shard's size and header are checked now."""
+    def split(self, name: str, final_hidden: bool = False) -> SplitFeatures:
+        """The reader of one split (with the final hidden states if asked); every shard's size and header are
+        checked now."""
+        if final_hidden and not self.manifest.get("final_hidden"):
+            raise FeatureCacheError(
+                f"feature cache {self.folder} has no final_hidden (the target's final hidden states), which "
+                "model.objective needs for distillation: make a cache with python -m dflash_lightning cache "
+                "--final_hidden true"
+            )
         shards = self.manifest["splits"][name]["shards"]
-        reader = SplitFeatures(self.folder, shards, self.feature_format, self.manifest["feature_dim"])
+        hidden = self.manifest["target"]["hidden_size"] if final_hidden else None
+        reader = SplitFeatures(self.folder, shards, self.feature_format, self.manifest["feature_dim"], hidden)
         for k in range(len(shards)):
             reader.shard(k)
         reader._open.clear()  # checked; workers map them again

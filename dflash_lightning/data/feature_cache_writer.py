@@ -100,25 +100,29 @@ class FeatureModule(LightningModule):
     allow_zero_length_dataloader_with_multiple_devices = True  # a rank may have no shard left to write
 
     def __init__(self, path: str, layer_ids: list[int], dtype: str, attn_implementation: str,
-                 feature_format: FeatureFormat) -> None:
+                 feature_format: FeatureFormat, final_hidden: bool = False) -> None:
         super().__init__()
         self.path, self.layer_ids, self.dtype_name = path, list(layer_ids), dtype
         self.attn_implementation, self.feature_format = attn_implementation, feature_format
+        self.final_hidden = final_hidden
         self.extractor: FeatureExtractor | None = None
 
     def configure_model(self) -> None:
         if self.extractor is None:
             self.extractor = FeatureExtractor.from_pretrained(
                 self.path, self.layer_ids, DTYPES[self.dtype_name], self.trainer.strategy.root_device,
-                self.attn_implementation,
+                self.attn_implementation, final_hidden=self.final_hidden,
             )
 
     def predict_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Tensor]:
-        features = self.extractor(batch["input_ids"], batch["position_ids"])  # [row tokens, K*H]
+        fields = self.extractor.extract(batch["input_ids"], batch["position_ids"])
+        features = fields["context_features"]  # [row tokens, K*H]
+        # The teacher stays bf16 in either format: fp8 would blur the distribution that distillation learns.
+        out = {"final_hidden": fields["final_hidden"].to(torch.bfloat16).cpu()} if self.final_hidden else {}
         if self.feature_format == "fp8":
             values, scales = quantize_fp8(features)  # on the device: it moves half the bytes to the host
-            return {"features": values.cpu(), "scales": scales.cpu()}
-        return {"features": features.to(torch.bfloat16).cpu()}
+            return {"features": values.cpu(), "scales": scales.cpu(), **out}
+        return {"features": features.to(torch.bfloat16).cpu(), **out}
 
 
 class _CacheWork(LightningDataModule):
@@ -238,14 +242,17 @@ def finalize_folder(folder: Path, manifest: dict[str, Any]) -> dict[str, Any]:
 
 def cache_manifest(dm: DFlashDataModule, target: str, target_dtype: str, layer_ids: Sequence[int],
                    hidden_size: int, feature_format: FeatureFormat, shard_bytes: int,
-                   forward_tokens: int) -> tuple[dict[str, Any], dict[str, TokenizedSamples]]:
+                   forward_tokens: int, final_hidden: bool = False,
+                   ) -> tuple[dict[str, Any], dict[str, TokenizedSamples]]:
     """The manifest of a cache of `dm`'s samples (train, and val if it has val files) with the shard plan."""
     splits = {"train": (dm.train_paths, dm.samples("train"))}
     if dm.val_paths:
         splits["val"] = (dm.val_paths, dm.samples("val"))
     feature_dim = len(layer_ids) * hidden_size
     per_token = feature_dim * STORED[feature_format].itemsize + 4 + 1 + (4 if feature_format == "fp8" else 0)
+    per_token += 2 * hidden_size if final_hidden else 0
     header = {"version": VERSION, "feature_format": feature_format, "feature_dim": feature_dim,
+              "final_hidden": bool(final_hidden),
               **target_header(target, layer_ids, hidden_size), **data_header(dm, splits),
               "writing": {"shard_bytes": shard_bytes, "forward_tokens": forward_tokens}}
     header["target"]["dtype"] = target_dtype
@@ -258,15 +265,19 @@ def write_cache(
     dm: DFlashDataModule, target: str, layer_ids: Sequence[int], hidden_size: int, out: str | Path,
     feature_format: FeatureFormat = "bf16", target_dtype: str = "bfloat16", attn_implementation: str = "auto",
     shard_bytes: int = 1_000_000_000, forward_tokens: int | None = None, trainer_kwargs: dict[str, Any] | None = None,
+    final_hidden: bool = False,
 ) -> dict[str, Any]:
-    """Runs the target over `dm`'s samples with `Trainer.predict` and writes (or finishes) the cache; the manifest."""
+    """Runs the target over `dm`'s samples with `Trainer.predict` and writes (or finishes) the cache; the manifest.
+
+    `final_hidden` also stores the target's final normed hidden states, the teacher of distillation.
+    """
     from lightning.pytorch.callbacks import RichProgressBar
 
     folder = Path(out)
     forward_tokens = forward_tokens or dm.token_budget
     manifest, samples = cache_manifest(dm, target, target_dtype, layer_ids, hidden_size, feature_format,
-                                       shard_bytes, forward_tokens)
-    module = FeatureModule(target, list(layer_ids), target_dtype, attn_implementation, feature_format)
+                                       shard_bytes, forward_tokens, final_hidden)
+    module = FeatureModule(target, list(layer_ids), target_dtype, attn_implementation, feature_format, final_hidden)
     writer = ShardWriter(folder, manifest, samples)
     trainer = Trainer(**{"accelerator": "auto", "devices": "auto", **(trainer_kwargs or {})}, logger=False,
                       enable_checkpointing=False, enable_model_summary=False, use_distributed_sampler=False,

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 
 class TargetFeatures(Callback):
-    """Owns the frozen target and puts each batch's context features into it before the step."""
+    """Owns the frozen target and puts each batch's context features (and final hidden states) into it."""
 
     def __init__(
         self,
@@ -63,17 +63,20 @@ class TargetFeatures(Callback):
         if getattr(trainer.datamodule, "hparams", {}).get("feature_cache"):
             return  # the data module serves cached context features; no target is needed
         layer_ids = pl_module.drafter_config.target_layer_ids
+        # Distillation's teacher is the target's final normed hidden state: then the whole target runs.
+        final = getattr(getattr(pl_module, "loss_settings", None), "distills", False)
 
         if self.placement == "colocated":
-            self.extractor = self.load_extractor(trainer.strategy.root_device, layer_ids)
+            self.extractor = self.load_extractor(trainer.strategy.root_device, layer_ids, final_hidden=final)
             return
         if self.placement == "sharded":
-            self.extractor = self.load_extractor(trainer.strategy.root_device, layer_ids, node_mesh(trainer))
+            mesh = node_mesh(trainer)
+            self.extractor = self.load_extractor(trainer.strategy.root_device, layer_ids, mesh, final_hidden=final)
             return
         devices = rank_devices(self.target_devices, trainer.local_rank, trainer.num_devices)
-        self.extractors = [self.load_extractor(d, layer_ids) for d in devices]
+        self.extractors = [self.load_extractor(d, layer_ids, final_hidden=final) for d in devices]
         for extractor in self.extractors:  # compile a GPU target's flex kernel here, never in a prefetch thread
-            warm_up(extractor, pl_module.hparams.get("token_budget"))
+            warm_up(extractor, getattr(pl_module, "hparams", {}).get("token_budget"))
         datamodule, device = trainer.datamodule, trainer.strategy.root_device
         for name in ("train_dataloader", "val_dataloader"):
             if not is_overridden(name, datamodule):  # a data module without validation keeps it that way
@@ -82,11 +85,12 @@ class TargetFeatures(Callback):
             setattr(datamodule, name, lambda make=make: self.prefetched(make(), device))
 
     def load_extractor(
-        self, device: torch.device | str, layer_ids: list[int], mesh: DeviceMesh | None = None
+        self, device: torch.device | str, layer_ids: list[int], mesh: DeviceMesh | None = None,
+        final_hidden: bool = False,
     ) -> FeatureExtractor:
         """The target's feature extractor on `device` (sharded over `mesh` when given)."""
         return FeatureExtractor.from_pretrained(
-            self.path, layer_ids, DTYPES[self.dtype], device, self.attn_implementation, mesh
+            self.path, layer_ids, DTYPES[self.dtype], device, self.attn_implementation, mesh, final_hidden
         )
 
     def prefetched(self, loader: Any, device: torch.device) -> Any:
@@ -96,12 +100,12 @@ class TargetFeatures(Callback):
         return FeaturePrefetcher(loader, self.extractors, device, self.prefetch)
 
     def add_features(self, batch: dict[str, Tensor]) -> None:
-        """Write `context_features [T, K*H]` into the batch unless a separate target already did."""
+        """Write `context_features [T, K*H]` (and `final_hidden [T, H]`) unless a separate target already did."""
         if "context_features" in batch:
             return
         if self.extractor is None:
             raise RuntimeError("TargetFeatures: a batch arrived without features and no target is on this device")
-        batch["context_features"] = self.extractor(batch["input_ids"], batch["position_ids"])
+        batch.update(self.extractor.extract(batch["input_ids"], batch["position_ids"]))
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self.add_features(batch)

@@ -1,6 +1,7 @@
-"""Target feature extraction (DFLASH.md section 1): the truncated frozen target that returns context features.
+"""Target feature extraction (DFLASH.md sections 1, 4c): the frozen target that returns context features.
 
-Only the target's first `max(layer_ids) + 1` decoder layers are built and run; no LM head is built.
+Only the target's first `max(layer_ids) + 1` decoder layers are built and run, unless distillation needs its
+final normed hidden state (`final_hidden`): then all layers and the final norm. No LM head is built.
 """
 
 from __future__ import annotations
@@ -22,26 +23,32 @@ if TYPE_CHECKING:
 
 
 class FeatureExtractor(nn.Module):
-    """A truncated frozen target that returns the concatenated outputs of its `layer_ids`."""
+    """A frozen target that returns the concatenated outputs of its `layer_ids` (and its final normed state)."""
 
-    def __init__(self, model: nn.Module, layer_ids: list[int], num_target_layers: int) -> None:
+    def __init__(self, model: nn.Module, layer_ids: list[int], num_target_layers: int,
+                 final_hidden: bool = False) -> None:
         super().__init__()
-        self.model, self.layer_ids = model, list(layer_ids)
-        self._captured: dict[int, Tensor] = {}
+        self.model, self.layer_ids, self.final_hidden = model, list(layer_ids), final_hidden
+        self._captured: dict[int | str, Tensor] = {}
         layers = decoder_layers(model)
         # hidden_states[L] in HF numbering is normed: the last layer's feature is the final norm's output.
         last, norm = num_target_layers - 1, getattr(model, "norm", None)
         for j in sorted(set(self.layer_ids)):
             source = norm if j == last and norm is not None else layers[j]
             source.register_forward_hook(self._capture(j))
+        if final_hidden:
+            if norm is None or len(decoder_layers(model)) != num_target_layers:
+                raise ValueError("final_hidden needs the whole target with its final norm (build it untruncated)")
+            norm.register_forward_hook(self._capture("final"))
         self.requires_grad_(False).eval()
 
     @classmethod
     def from_pretrained(
         cls, path: str, layer_ids: list[int], dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str = "cpu", attn_implementation: str = "auto", mesh: DeviceMesh | None = None,
+        final_hidden: bool = False,
     ) -> FeatureExtractor:
-        """Load only the decoder layers the features need (no LM head).
+        """Load only the decoder layers the features need (no LM head); all of them with `final_hidden`.
 
         With `mesh`, the target is sharded across the mesh's ranks (FSDP2): each rank reads only its rows
         of every weight and holds 1/N of the target; a forward gathers one layer's weights at a time.
@@ -56,7 +63,7 @@ class FeatureExtractor(nn.Module):
         config = AutoConfig.from_pretrained(folder)
         text = getattr(config, "text_config", None) or config
         total = text.num_hidden_layers
-        keep = max(layer_ids) + 1
+        keep = total if final_hidden else max(layer_ids) + 1
         truncated = copy.deepcopy(config)
         t_text = getattr(truncated, "text_config", None) or truncated
         t_text.num_hidden_layers = keep
@@ -64,7 +71,7 @@ class FeatureExtractor(nn.Module):
             t_text.layer_types = t_text.layer_types[:keep]
         if mesh is not None:
             model = sharded_model(folder, truncated, dtype, attn_implementation, mesh, torch.device(device))
-            return cls(getattr(model, "language_model", model), layer_ids, total)
+            return cls(getattr(model, "language_model", model), layer_ids, total, final_hidden)
         level = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()  # the skipped layers and head are expected, not worth a warning
         try:
@@ -74,17 +81,22 @@ class FeatureExtractor(nn.Module):
         finally:
             hf_logging.set_verbosity(level)
         model = getattr(model, "language_model", model)
-        return cls(model, layer_ids, total).to(device)
+        return cls(model, layer_ids, total, final_hidden).to(device)
 
-    def _capture(self, j: int):
+    def _capture(self, j: int | str):
         def hook(_module: nn.Module, _args: Any, output: Any) -> None:
             self._captured[j] = output[0] if isinstance(output, tuple) else output
 
         return hook
 
-    @torch.no_grad()
     def forward(self, input_ids: Tensor, position_ids: Tensor) -> Tensor:
-        """Context features of a packed row `[T]`: per-document causal attention.  # [T, K*H]"""
+        """Context features of a packed row `[T]`.  # [T, K*H]"""
+        return self.extract(input_ids, position_ids)["context_features"]
+
+    @torch.no_grad()
+    def extract(self, input_ids: Tensor, position_ids: Tensor) -> dict[str, Tensor]:
+        """The batch fields of a packed row `[T]` (per-document causal attention): `context_features [T, K*H]`,
+        and `final_hidden [T, H]` (the final norm's output) if this extractor makes it."""
         # Positions restarting at 0 mark document starts. The per-document causal mask is built here, on the
         # device; left to transformers, finding the documents costs a host sync per forward.
         self._captured.clear()
@@ -97,9 +109,11 @@ class FeatureExtractor(nn.Module):
         self.model(input_ids=input_ids[None], position_ids=position_ids[None], attention_mask=mask, use_cache=False)
         if hasattr(self.model, "reshard"):  # a sharded target: free the gathered root weights too
             self.model.reshard()
-        outs = [self._captured[j][0] for j in self.layer_ids]
+        out = {"context_features": torch.cat([self._captured[j][0] for j in self.layer_ids], dim=-1)}
+        if self.final_hidden:
+            out["final_hidden"] = self._captured["final"][0]
         self._captured.clear()
-        return torch.cat(outs, dim=-1)
+        return out
 
 
 

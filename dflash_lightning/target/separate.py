@@ -60,8 +60,8 @@ class FeaturePrefetcher:
                     outs[rank].put(batch)
                     return
                 try:
-                    feats = extractor(batch["input_ids"].to(device), batch["position_ids"].to(device))
-                    batch["context_features"] = feats.to(self.out_device)
+                    fields = extractor.extract(batch["input_ids"].to(device), batch["position_ids"].to(device))
+                    batch.update({name: value.to(self.out_device) for name, value in fields.items()})
                 except BaseException as err:
                     batch = err
                 outs[rank].put(batch)

@@ -1,0 +1,137 @@
+"""A/B of training recipes on the tiny default (CPU): served tau by real speculative decoding, over seeds.
+
+Each run is `fit --config configs/tiny.yaml` with the recipe's `model.*` settings and `--seed_everything=N`,
+then `evaluate` of its last.ckpt on the 74 held-out prompts, as the README's first command does (its counting:
+`tau_pooled` over all steps and `tau_prompt_mean`, DFLASH.md section 6):
+
+    python benchmarks/objective_ab.py --out benchmarks/results/tiny-objectives.json
+
+Runs go one at a time by default, seed by seed (`--jobs N --threads M` runs N at once with M threads each, on
+a machine with N * M free cores); a finished run is read, not redone, so an interrupted A/B resumes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = {
+    "decay-ce": {"objective": "ce", "loss_weights": "decay"},
+    "dpace-ce": {"objective": "ce", "loss_weights": "dpace"},
+    "decay-kl": {"objective": "kl", "loss_weights": "decay"},
+    "dpace-kl": {"objective": "kl", "loss_weights": "dpace"},
+}
+PROMPTS = "dflash_lightning/assets/tiny/data/prompts.jsonl"
+
+
+def run_config(base: dict, run_dir: Path, seed: int, settings: dict) -> dict:
+    """The tiny config with the recipe's model settings, the seed, and every output under `run_dir`."""
+    cfg = json.loads(json.dumps(base))  # deep copy
+    cfg["seed_everything"] = seed
+    cfg["model"].update(settings)
+    trainer = cfg["trainer"]
+    trainer["default_root_dir"] = str(run_dir)
+    for logger in trainer["logger"]:
+        logger["init_args"]["save_dir"] = str(run_dir)
+    for callback in trainer["callbacks"]:
+        if callback["class_path"].endswith("ModelCheckpoint"):
+            callback["init_args"]["dirpath"] = str(run_dir / "checkpoints")
+    return cfg
+
+
+def one_run(name: str, seed: int, work: Path, base: dict, config_name: str, threads: int | None = None) -> dict:
+    """fit then evaluate one recipe and seed (or read the finished run); its figures."""
+    run_dir = work / f"{name}-seed{seed}"
+    report_path = run_dir / "eval" / "report.json"
+    record_path = run_dir / "run.json"
+    if report_path.exists() and record_path.exists():
+        return json.loads(record_path.read_text())
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config = run_dir / "config.yaml"
+    config.write_text(yaml.safe_dump(run_config(base, run_dir, seed, RECIPES[name])))
+    env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
+    t0 = time.perf_counter()
+    fit = [sys.executable, "-m", "dflash_lightning", "fit", "--config", str(config)]
+    with open(run_dir / "fit.log", "w") as log:
+        subprocess.run(fit, cwd=ROOT, env=env, check=True, stdout=log, stderr=subprocess.STDOUT)
+    t1 = time.perf_counter()
+    ckpt = str(run_dir / "checkpoints/last.ckpt")
+    evaluate = [sys.executable, "-m", "dflash_lightning", "evaluate", "--drafter", ckpt, "--prompts", PROMPTS,
+                "--device", "cpu", "--dtype", "float32", "--out", str(run_dir / "eval")]
+    with open(run_dir / "eval.log", "w") as log:
+        subprocess.run(evaluate, cwd=ROOT, env=env, check=True, stdout=log, stderr=subprocess.STDOUT)
+    t2 = time.perf_counter()
+    report = json.loads(report_path.read_text())
+    record = {
+        "recipe": name, "seed": seed, "settings": RECIPES[name], "config": config_name,
+        "tau_pooled": report["tau_pooled"], "tau_prompt_mean": report["tau_prompt_mean"],
+        "tokens_per_step": report["tokens_per_step"], "mismatches": report["mismatches"],
+        "num_prompts": report["num_prompts"], "speedup": report["speedup"],
+        "fit_s": round(t1 - t0, 1), "evaluate_s": round(t2 - t1, 1), "threads": threads,
+    }
+    record_path.write_text(json.dumps(record, indent=2) + "\n")
+    return record
+
+
+def summary(records: list[dict], key: str) -> dict:
+    values = [r[key] for r in records]
+    return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+            "min": min(values), "max": max(values), "values": values}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/tiny-objectives.json")
+    parser.add_argument("--work", type=Path, default=ROOT / "runs/objective_ab", help="folder of the runs")
+    parser.add_argument("--config", default="configs/tiny.yaml")
+    parser.add_argument("--recipes", default=",".join(RECIPES), help=f"comma list of {', '.join(RECIPES)}")
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--jobs", type=int, default=1, help="runs at once")
+    parser.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS of each run; None: torch's default")
+    args = parser.parse_args()
+    base = yaml.safe_load((ROOT / args.config).read_text())
+    seeds = [int(s) for s in args.seeds.split(",")]
+    names = args.recipes.split(",")
+    unknown = [n for n in names if n not in RECIPES]
+    if unknown:
+        raise SystemExit(f"--recipes: unknown {unknown}; known: {list(RECIPES)}")
+    plan = [(name, seed) for seed in seeds for name in names]  # seed-major: an interrupted A/B has every recipe
+    records = []
+    with ThreadPoolExecutor(args.jobs) as pool:
+        runs = [pool.submit(one_run, name, seed, args.work.resolve(), base, args.config, args.threads)
+                for name, seed in plan]
+        for run in runs:
+            records.append(run.result())
+            print(json.dumps(records[-1]), flush=True)
+            write_result(args, seeds, names, records)  # partial results survive an interruption
+
+
+def write_result(args: argparse.Namespace, seeds: list[int], names: list[str], records: list[dict]) -> None:
+    """The A/B JSON: per recipe the mean, spread and values of served tau (pooled, and the mean of per-prompt)."""
+    recipes = {}
+    for name in names:
+        runs = [r for r in records if r["recipe"] == name]
+        if runs:
+            recipes[name] = {"settings": RECIPES[name], "seeds": [r["seed"] for r in runs],
+                             **{key: summary(runs, key) for key in ("tau_pooled", "tau_prompt_mean", "fit_s")}}
+    result = {
+        "date": time.strftime("%Y-%m-%d"), "config": args.config, "seeds": seeds, "prompts": PROMPTS,
+        "command": "python benchmarks/objective_ab.py " + " ".join(sys.argv[1:]),
+        "recipes": recipes, "runs": records,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
