@@ -1,0 +1,135 @@
+"""What a checkpoint records about the run that wrote it, and the check of a resumed run against that record.
+
+A change that alters what is trained is refused before any step; the other changes take effect and are logged.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import TYPE_CHECKING, Any
+
+from dflash_lightning.config import ConfigError
+from dflash_lightning.fingerprints import target_fingerprint, tokenizer_sha256
+
+if TYPE_CHECKING:
+    from dflash_lightning.module import DFlashModule
+
+log = logging.getLogger(__name__)
+
+RECORD_KEY = "dflash_run"  # the checkpoint entry that holds the record
+
+# Fields (dotted; a trailing `.` is a whole section) whose change alters what is trained: refused on resume.
+FIXED = (
+    "drafter.", "target.config_sha256", "target.weights_sha256", "tokenizer.sha256",
+    "model.token_budget", "model.num_anchors",
+    "data.max_documents", "data.max_length", "data.min_supervised_tokens", "data.format", "data.enable_thinking",
+    "data.shuffle_buffer", "data.seed", "trainer.global_batch",
+)
+# ... of which these are also checked by `validate` (weights of another shape or for another target).
+FIXED_FOR_WEIGHTS = ("drafter.", "target.config_sha256", "target.weights_sha256", "tokenizer.sha256")
+
+MODEL_FIELDS = ("token_budget", "num_anchors", "lr", "weight_decay", "betas", "warmup_ratio", "min_lr_ratio",
+                "compile", "compile_mode", "metrics_every", "topk", "head_chunk_size")
+DATA_FIELDS = ("train_files", "val_files", "max_documents", "format", "enable_thinking", "shuffle_buffer", "seed",
+               "on_bad_record", "val_batches", "feature_cache")
+
+
+class ResumeError(ConfigError):
+    """A resumed run whose settings would train something else than the checkpoint's run."""
+
+
+def _plain(value: Any) -> Any:
+    """JSON-plain copy (tuples become lists), so that a record compares equal after a save and a load."""
+    return json.loads(json.dumps(value, default=str))
+
+
+def run_record(module: DFlashModule) -> dict[str, Any]:
+    """The settings of `module`'s run that a checkpoint records: flat `section.field` -> plain value."""
+    hp = module.hparams
+    record: dict[str, Any] = {f"drafter.{k}": v for k, v in module.drafter_config.to_dict().items()}
+    record |= {f"model.{k}": hp[k] for k in MODEL_FIELDS}
+    record["target.path"] = str(hp.target)
+    record |= {f"target.{k}": v for k, v in target_fingerprint(hp.target).items()}
+    trainer = module._trainer  # None outside a Trainer (the property raises)
+    dm = getattr(trainer, "datamodule", None) if trainer is not None else None
+    data = getattr(dm, "hparams", None) or {}
+    tokenizer = data.get("tokenizer") or hp.target
+    record["tokenizer.path"] = str(tokenizer)
+    record["tokenizer.sha256"] = tokenizer_sha256(tokenizer)
+    if data:
+        record |= {f"data.{k}": data[k] for k in DATA_FIELDS if k in data}
+        for name, attr in (("max_length", "max_length"), ("min_supervised_tokens", "min_supervised")):
+            if hasattr(dm, attr):
+                record[f"data.{name}"] = getattr(dm, attr)  # the resolved values, not the None defaults
+    if trainer is not None:
+        world, accumulate = trainer.world_size, trainer.accumulate_grad_batches
+        record |= {"trainer.world_size": world, "trainer.accumulate_grad_batches": accumulate,
+                   "trainer.global_batch": world * accumulate, "trainer.max_steps": trainer.max_steps,
+                   "trainer.max_epochs": trainer.max_epochs, "trainer.precision": str(trainer.precision)}
+    return _plain(record)
+
+
+def _fixed(key: str, fixed: tuple[str, ...]) -> bool:
+    return any(key == f or (f.endswith(".") and key.startswith(f)) for f in fixed)
+
+
+def compare(saved: dict[str, Any], current: dict[str, Any], fixed: tuple[str, ...] = FIXED
+            ) -> tuple[list[str], list[str]]:
+    """(refused, changed): one `field: old -> new` line per differing field, split by whether it is fixed."""
+    refused, changed = [], []
+    missing = "(not recorded)"
+    for key in sorted(saved.keys() | current.keys()):
+        old, new = saved.get(key, missing), current.get(key, missing)
+        if old == new:
+            continue
+        line = f"{key}: {old!r} -> {new!r}"
+        if key == "trainer.global_batch" and "trainer.world_size" in current and isinstance(old, int):
+            world = current["trainer.world_size"]
+            line += (f" (packed rows per optimizer step; on {world} ranks keep it with "
+                     f"--trainer.accumulate_grad_batches={old // world})" if old % world == 0 else
+                     f" (packed rows per optimizer step; {world} ranks cannot make {old}: resume on a divisor)")
+        (refused if _fixed(key, fixed) and old != missing else changed).append(line)
+    return refused, changed
+
+
+def check_resume(saved: dict[str, Any] | None, current: dict[str, Any], path: str | None, fitting: bool) -> list[str]:
+    """Raise ResumeError naming every fixed field that differs; log and return the fields that changed."""
+    where = f" from {path}" if path else ""
+    if saved is None:
+        log.warning(f"the checkpoint{where} has no settings record (written by an older version): the drafter's "
+                    "shape is checked by the weights' shapes only, the target and tokenizer not at all")
+        return []
+    refused, changed = compare(saved, current, FIXED if fitting else FIXED_FOR_WEIGHTS)
+    if refused:
+        raise ResumeError(
+            f"cannot resume{where}: these settings change what is trained (checkpoint -> now):\n  "
+            + "\n  ".join(refused)
+            + "\ntype the checkpoint's values, or start a new run (another checkpoint folder, no --ckpt_path)"
+        )
+    if changed:
+        log.warning(f"resuming{where} with changed settings (checkpoint -> now), which take effect:\n  "
+                    + "\n  ".join(changed))
+    return changed
+
+
+def rescale_loop_progress(checkpoint: dict[str, Any], old_world: int, new_world: int) -> None:
+    """Rewrite the fit loop's batch counters (per rank) for `new_world` ranks; the optimizer steps stay.
+
+    With the global batch kept, a rank of the new run has done `old_world / new_world` times the batches of a
+    rank of the old one. Differences between the counters (they mark where in a batch the save happened) stay.
+    """
+    if old_world == new_world or "loops" not in checkpoint:
+        return
+    progress = checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]
+    for scope in ("total", "current"):
+        counters = progress[scope]
+        base = counters["processed"]
+        if (base * old_world) % new_world:
+            raise ResumeError(
+                f"the checkpoint was written after {base} batches per rank on {old_world} ranks (mid-way through a "
+                f"gradient accumulation), which {new_world} ranks cannot share: resume on {old_world} ranks"
+            )
+        new_base = base * old_world // new_world
+        for name in ("ready", "started", "processed", "completed"):
+            counters[name] = new_base + counters[name] - base
