@@ -151,8 +151,8 @@ class DFlashModule(LightningModule):
     def anchor_generator(self, batch: dict[str, Any], batch_idx: int) -> torch.Generator:
         """The generator of this batch's anchors, seeded from the batch's place in the stream: no state to save.
 
-        Batches of other loaders (no `anchor_seed`) are keyed by step, batch and rank instead. Seeding is a
-        host-side call (no device sync) on the generator of the module's device.
+        Batches of other loaders (no `anchor_seed`) are keyed by step, batch and rank instead. The data module
+        keeps the seed on the host, and seeding is host-side: no device sync.
         """
         seed = batch.get("anchor_seed")
         if seed is None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import csv
+import json
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,7 @@ import yaml
 from conftest import make_target
 from test_cli import CONFIGS, write_conversations
 
+from dflash_lightning.blocks import anchor_seed
 from dflash_lightning.cli import cli_main
 from dflash_lightning.resume import RECORD_KEY, ResumeError
 
@@ -36,15 +39,24 @@ def resume_config(tmp_path_factory) -> Path:
     return path
 
 
-def fit(config: Path, run: Path, *args: str):
-    """One `fit` through the CLI into its own folder: (cli, per-step (step, loss) pairs, checkpoints by step)."""
-    cli = cli_main(["fit", "--config", str(config), f"--trainer.default_root_dir={run}",
-                    "--trainer.logger=lightning.pytorch.loggers.CSVLogger", f"--trainer.logger.save_dir={run}",
-                    f"--trainer.callbacks.dirpath={run / 'ckpt'}", *args])
+def fit_args(config: Path, run: Path, *args: str) -> list[str]:
+    return ["fit", "--config", str(config), f"--trainer.default_root_dir={run}",
+            "--trainer.logger=lightning.pytorch.loggers.CSVLogger", f"--trainer.logger.save_dir={run}",
+            f"--trainer.callbacks.dirpath={run / 'ckpt'}", *args]
+
+
+def results(run: Path) -> tuple[list[tuple[int, float]], dict[int, Path]]:
+    """A finished run's per-step (step, loss) pairs and its checkpoints by step."""
     rows = list(csv.DictReader(next(run.rglob("metrics.csv")).open()))
     losses = [(int(r["step"]), float(r["train/loss"])) for r in rows if r.get("train/loss")]
     ckpts = {torch.load(p, weights_only=True)["global_step"]: p for p in (run / "ckpt").glob("*.ckpt")}
-    return cli, losses, ckpts
+    return losses, ckpts
+
+
+def fit(config: Path, run: Path, *args: str):
+    """One `fit` through the CLI into its own folder: (cli, per-step (step, loss) pairs, checkpoints by step)."""
+    cli = cli_main(fit_args(config, run, *args))
+    return cli, *results(run)
 
 
 def test_resumed_losses_equal_an_uninterrupted_run_bitwise(resume_config, tmp_path):
@@ -115,3 +127,55 @@ def test_the_compiled_drafter_loads_a_checkpoint_with_the_same_keys(resume_confi
     cli.model.load_state_dict(state["state_dict"], strict=True)
     assert list(cli.model.state_dict()) == list(state["state_dict"])
     assert state[RECORD_KEY]["model.compile"] is False  # a free setting: it may change on resume
+
+
+# Layouts of a global batch of 2 packed rows (DDP forks its ranks in place). FSDP cannot run here: Lightning
+# refuses `fsdp` without a GPU and torch 2.13's FSDP1 raises "FSDP needs a non-CPU accelerator device".
+LAYOUTS = {
+    "ddp x2": ["--trainer.strategy=ddp_fork", "--trainer.devices=2"],
+    "1 x acc2": ["--trainer.accumulate_grad_batches=2"],
+}
+
+
+def fit_layout(config: Path, run: Path, layout: str, *args: str) -> dict[int, Path]:
+    """A run on `layout` that records every batch it trains; returns its checkpoints by step."""
+    run.mkdir(parents=True)
+    record = "--trainer.callbacks+=" + json.dumps({"class_path": "helpers.RecordRows", "init_args": {"out": str(run)}})
+    cli_main(fit_args(config, run, *LAYOUTS[layout], record, *args))
+    return results(run)[1]
+
+
+def rows_by_step(run: Path) -> dict[int, list[tuple[int, int]]]:
+    """Global step -> the (epoch, index in the epoch's global stream) of the rows trained in it, over all ranks."""
+    where = {anchor_seed(0, "train", e, i): (e, i) for e in range(4) for i in range(32)}
+    steps = defaultdict(list)
+    for file in run.glob("rank*.txt"):
+        for line in file.read_text().splitlines():
+            epoch, seed, step = map(int, line.split())
+            assert where[seed][0] == epoch
+            steps[step].append(where[seed])
+    return {step: sorted(rows) for step, rows in sorted(steps.items())}
+
+
+@pytest.mark.parametrize(("before", "after"), [("ddp x2", "1 x acc2"), ("1 x acc2", "ddp x2")])
+def test_resume_on_another_number_of_ranks_trains_every_row_once(resume_config, tmp_path, before, after):
+    """Stopped after 4 steps of 2 rows (epoch 0 has 6 rows: step 4 is mid-epoch 1) and resumed on another layout
+    of the same global batch: each step trains the rows the uninterrupted run trained in it, none twice or skipped.
+    """
+    ckpts = fit_layout(resume_config, tmp_path / "before", before)
+    uninterrupted = rows_by_step(tmp_path / "before")
+    assert len(uninterrupted) == 8 and all(len(rows) == 2 for rows in uninterrupted.values())
+    assert [e for e, _ in uninterrupted[3]] == [1, 1] and [e for e, _ in uninterrupted[6]] == [2, 2]
+    again = fit_layout(resume_config, tmp_path / "after", after, f"--ckpt_path={ckpts[4]}")
+    resumed = rows_by_step(tmp_path / "after")
+    assert resumed == {step: rows for step, rows in uninterrupted.items() if step >= 4}
+    assert max(again) == 8
+    state = torch.load(again[8], weights_only=True)
+    assert state["epoch"] == 2 and state["optimizer_states"][0]["state"]  # AdamW moments came along
+    assert [s for s, _ in results(tmp_path / "after")[0]] == [4, 5, 6, 7]  # logged steps continue
+
+
+def test_a_resume_that_changes_the_global_batch_is_refused(resume_config, tmp_path):
+    ckpts = fit_layout(resume_config, tmp_path / "before", "1 x acc2", "--trainer.max_steps=2")
+    with pytest.raises(ResumeError, match=r"trainer\.global_batch: 2 -> 1 .*--trainer\.accumulate_grad_batches=2"):
+        fit(resume_config, tmp_path / "after", f"--ckpt_path={ckpts[2]}")

@@ -55,7 +55,7 @@ def _rank_zero(level: int, message: str) -> None:
 class _Rows:
     """Collates packed rows of tokenized documents into `PackedBatch`es (with cached features if given).
 
-    Every batch also carries `anchor_seed` (a Python int): its anchor draw, keyed by its place in the stream.
+    Every batch also carries `anchor_seed` (int64, 0-d): its anchor draw, keyed by its place in the stream.
     """
 
     def __init__(self, samples: TokenizedSamples, token_budget: int, max_documents: int, pad_id: int,
@@ -72,7 +72,8 @@ class _Rows:
         batch = collate_documents(docs, self.token_budget, self.max_documents, self.pad_id)
         if self.features is not None:
             batch.update(self.features.packed(row, self.token_budget))  # type: ignore[typeddict-item]
-        batch["anchor_seed"] = anchor_seed(self.seed, split, epoch, index)  # type: ignore[typeddict-unknown-key]
+        seed = anchor_seed(self.seed, split, epoch, index)
+        batch["anchor_seed"] = torch.tensor(seed, dtype=torch.int64)  # type: ignore[typeddict-unknown-key]
         return batch
 
 
@@ -289,6 +290,14 @@ class DFlashDataModule(LightningDataModule):
             self._features[split] = cache.split(split)
         _rank_zero(logging.INFO, f"context features of {', '.join(splits)} from {cache.folder} "
                    f"({cache.feature_format}, {cache.manifest['feature_dim']} per token)")
+
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        """Moves the batch, but the anchor seed stays on the host, so that seeding the step's generator never syncs."""
+        seed = batch.pop("anchor_seed", None) if isinstance(batch, dict) else None
+        batch = super().transfer_batch_to_device(batch, device, dataloader_idx)
+        if seed is not None:
+            batch["anchor_seed"] = seed
+        return batch
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """fp8 cached features are dequantised here, on the device: half the bytes cross the host link."""
