@@ -7,13 +7,10 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dflash_lightning.config import ConfigError
 from dflash_lightning.fingerprints import target_fingerprint, tokenizer_sha256
-
-if TYPE_CHECKING:
-    from dflash_lightning.module import DFlashModule
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +41,8 @@ def _plain(value: Any) -> Any:
     return json.loads(json.dumps(value, default=str))
 
 
-def run_record(module: DFlashModule) -> dict[str, Any]:
-    """The settings of `module`'s run that a checkpoint records: flat `section.field` -> plain value."""
+def run_record(module: Any) -> dict[str, Any]:
+    """The settings of a `DFlashModule`'s run that a checkpoint records: flat `section.field` -> plain value."""
     hp = module.hparams
     record: dict[str, Any] = {f"drafter.{k}": v for k, v in module.drafter_config.to_dict().items()}
     record |= {f"model.{k}": hp[k] for k in MODEL_FIELDS}
