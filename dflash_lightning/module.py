@@ -227,8 +227,11 @@ class DFlashModule(LightningModule):
 
     def run_record(self) -> dict[str, Any]:
         """This run's settings as a checkpoint records them (made once: the target is fingerprinted)."""
-        if self._run_record is None:
-            self._run_record = resume.run_record(self)
+        if self._run_record is None or self._trainer is None:  # data and layout are known once in a Trainer
+            record = resume.run_record(self)
+            if self._trainer is None:
+                return record
+            self._run_record = record
         return self._run_record
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -236,11 +239,13 @@ class DFlashModule(LightningModule):
 
         On another number of ranks (the global batch kept) the loop's per-rank batch counts are rescaled.
         """
-        fitting = self.trainer.state.fn == TrainerFn.FITTING
+        trainer = self._trainer
+        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         saved = checkpoint.get(resume.RECORD_KEY)
-        resume.check_resume(saved, self.run_record(), self.trainer.ckpt_path, fitting)
+        resume.check_resume(saved, self.run_record(), getattr(trainer, "ckpt_path", None), fitting)
         if fitting and saved is not None:
-            resume.rescale_loop_progress(checkpoint, saved["trainer.world_size"], self.trainer.world_size)
+            old_world = saved.get("trainer.world_size", trainer.world_size)
+            resume.rescale_loop_progress(checkpoint, old_world, trainer.world_size)
         self._resumed = fitting
 
     def on_train_start(self) -> None:

@@ -76,16 +76,17 @@ def compare(saved: dict[str, Any], current: dict[str, Any], fixed: tuple[str, ..
     """(refused, changed): one `field: old -> new` line per differing field, split by whether it is fixed."""
     refused, changed = [], []
     missing = "(not recorded)"
-    for key in sorted(saved.keys() | current.keys()):
-        old, new = saved.get(key, missing), current.get(key, missing)
+    for key in sorted(current.keys()):  # a field unknown now (no Trainer, no data module) is not compared
+        old, new = saved.get(key, missing), current[key]
         if old == new:
             continue
         line = f"{key}: {old!r} -> {new!r}"
         if key == "trainer.global_batch" and "trainer.world_size" in current and isinstance(old, int):
             world = current["trainer.world_size"]
-            line += (f" (packed rows per optimizer step; on {world} ranks keep it with "
+            ranks = f"{world} rank{'s' if world != 1 else ''}"
+            line += (f" (packed rows per optimizer step; on {ranks} keep it with "
                      f"--trainer.accumulate_grad_batches={old // world})" if old % world == 0 else
-                     f" (packed rows per optimizer step; {world} ranks cannot make {old}: resume on a divisor)")
+                     f" (packed rows per optimizer step; {ranks} cannot make {old}: resume on a divisor of it)")
         (refused if _fixed(key, fixed) and old != missing else changed).append(line)
     return refused, changed
 

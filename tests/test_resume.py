@@ -15,7 +15,7 @@ from test_cli import CONFIGS, write_conversations
 
 from dflash_lightning.blocks import anchor_seed
 from dflash_lightning.cli import cli_main
-from dflash_lightning.resume import RECORD_KEY, ResumeError
+from dflash_lightning.resume import RECORD_KEY, ResumeError, compare
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,7 @@ def fit(config: Path, run: Path, *args: str):
     return cli, *results(run)
 
 
-def test_resumed_losses_equal_an_uninterrupted_run_bitwise(resume_config, tmp_path):
+def test_resumed_losses_equal_an_uninterrupted_run_bitwise(resume_config, tmp_path, caplog):
     """Stopped after k steps and resumed from that step's checkpoint: the same losses, steps and weights, bitwise.
 
     An epoch has 5 rows: from step 3 the continuation crosses the epoch end, step 5 is the epoch's last batch,
@@ -70,6 +70,7 @@ def test_resumed_losses_equal_an_uninterrupted_run_bitwise(resume_config, tmp_pa
     final = torch.load(ckpts[8], weights_only=True)
     for k in (3, 5, 6):
         cli, resumed, again = fit(resume_config, tmp_path / f"from{k}", f"--ckpt_path={ckpts[k]}")
+        assert "changed settings" not in caplog.text  # the record survives a save and a load unchanged
         assert resumed == full[k:], k  # (logged step, loss) pairs, floats compared exactly
         state = torch.load(again[8], weights_only=True)
         assert all(torch.equal(state["state_dict"][n], w) for n, w in final["state_dict"].items())
@@ -179,3 +180,10 @@ def test_a_resume_that_changes_the_global_batch_is_refused(resume_config, tmp_pa
     ckpts = fit_layout(resume_config, tmp_path / "before", "1 x acc2", "--trainer.max_steps=2")
     with pytest.raises(ResumeError, match=r"trainer\.global_batch: 2 -> 1 .*--trainer\.accumulate_grad_batches=2"):
         fit(resume_config, tmp_path / "after", f"--ckpt_path={ckpts[2]}")
+
+
+def test_fields_unknown_now_are_not_compared():
+    """Outside a Trainer the record has no trainer or data fields: they are neither refused nor reported."""
+    saved = {"drafter.num_layers": 1, "trainer.global_batch": 8, "model.lr": 0.1}
+    assert compare(saved, {"drafter.num_layers": 1, "model.lr": 0.2}) == ([], ["model.lr: 0.1 -> 0.2"])
+    assert compare(saved, {"drafter.num_layers": 2})[0] == ["drafter.num_layers: 1 -> 2"]
