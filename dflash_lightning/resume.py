@@ -16,20 +16,18 @@ log = logging.getLogger(__name__)
 
 RECORD_KEY = "dflash_run"  # the checkpoint entry that holds the record
 
-# Fields (dotted; a trailing `.` is a whole section) whose change alters what is trained: refused on resume.
-FIXED = (
-    "drafter.", "target.config_sha256", "target.weights_sha256", "tokenizer.sha256",
-    "model.token_budget", "model.num_anchors",
-    "data.max_documents", "data.max_length", "data.min_supervised_tokens", "data.format", "data.enable_thinking",
-    "data.shuffle_buffer", "data.seed", "trainer.global_batch",
+# Fields (dotted; a trailing `.` is a whole section) that may change on resume: they take effect and are logged.
+# Every other recorded field changes what is trained and is refused, a module or data setting added later too.
+FREE = (
+    "model.lr", "model.weight_decay", "model.betas", "model.warmup_ratio", "model.min_lr_ratio", "model.compile",
+    "model.compile_mode", "model.compile_cache_dir", "model.metrics_every", "model.topk", "model.head_chunk_size",
+    "model.target", "target.path", "tokenizer.path", "data.tokenizer",  # paths: the fingerprints are compared
+    "data.train_files", "data.val_files", "data.val_batches", "data.num_workers", "data.cache_dir",
+    "data.feature_cache", "data.on_bad_record", "trainer.",
 )
-# ... of which these are also checked by `validate` (weights of another shape or for another target).
+NOT_FREE = ("trainer.global_batch",)  # ... except this one
+# `validate` checks only that the weights fit: their shape and their target.
 FIXED_FOR_WEIGHTS = ("drafter.", "target.config_sha256", "target.weights_sha256", "tokenizer.sha256")
-
-MODEL_FIELDS = ("token_budget", "num_anchors", "lr", "weight_decay", "betas", "warmup_ratio", "min_lr_ratio",
-                "compile", "compile_mode", "metrics_every", "topk", "head_chunk_size")
-DATA_FIELDS = ("train_files", "val_files", "max_documents", "format", "enable_thinking", "shuffle_buffer", "seed",
-               "on_bad_record", "val_batches", "feature_cache")
 
 
 class ResumeError(ConfigError):
@@ -45,7 +43,8 @@ def run_record(module: Any) -> dict[str, Any]:
     """The settings of a `DFlashModule`'s run that a checkpoint records: flat `section.field` -> plain value."""
     hp = module.hparams
     record: dict[str, Any] = {f"drafter.{k}": v for k, v in module.drafter_config.to_dict().items()}
-    record |= {f"model.{k}": hp[k] for k in MODEL_FIELDS}
+    # every hyper-parameter but the drafter's (resolved, above) and LightningCLI's `_instantiator`
+    record |= {f"model.{k}": v for k, v in hp.items() if k != "drafter" and not k.startswith("_")}
     record["target.path"] = str(hp.target)
     record |= {f"target.{k}": v for k, v in target_fingerprint(hp.target).items()}
     trainer = module._trainer  # None outside a Trainer (the property raises)
@@ -55,7 +54,7 @@ def run_record(module: Any) -> dict[str, Any]:
     record["tokenizer.path"] = str(tokenizer)
     record["tokenizer.sha256"] = tokenizer_sha256(tokenizer)
     if data:
-        record |= {f"data.{k}": data[k] for k in DATA_FIELDS if k in data}
+        record |= {f"data.{k}": v for k, v in data.items() if not k.startswith("_")}
         for name, attr in (("max_length", "max_length"), ("min_supervised_tokens", "min_supervised")):
             if hasattr(dm, attr):
                 record[f"data.{name}"] = getattr(dm, attr)  # the resolved values, not the None defaults
@@ -67,13 +66,19 @@ def run_record(module: Any) -> dict[str, Any]:
     return _plain(record)
 
 
-def _fixed(key: str, fixed: tuple[str, ...]) -> bool:
-    return any(key == f or (f.endswith(".") and key.startswith(f)) for f in fixed)
+def _matches(key: str, fields: tuple[str, ...]) -> bool:
+    return any(key == f or (f.endswith(".") and key.startswith(f)) for f in fields)
 
 
-def compare(saved: dict[str, Any], current: dict[str, Any], fixed: tuple[str, ...] = FIXED
+def _fixed(key: str, weights_only: bool) -> bool:
+    if weights_only:
+        return _matches(key, FIXED_FOR_WEIGHTS)
+    return _matches(key, NOT_FREE) or not _matches(key, FREE)
+
+
+def compare(saved: dict[str, Any], current: dict[str, Any], weights_only: bool = False
             ) -> tuple[list[str], list[str]]:
-    """(refused, changed): one `field: old -> new` line per differing field, split by whether it is fixed."""
+    """(refused, changed): one `field: old -> new` line per differing field, split by whether it may change."""
     refused, changed = [], []
     missing = "(not recorded)"
     for key in sorted(current.keys()):  # a field unknown now (no Trainer, no data module) is not compared
@@ -87,7 +92,7 @@ def compare(saved: dict[str, Any], current: dict[str, Any], fixed: tuple[str, ..
             line += (f" (packed rows per optimizer step; on {ranks} keep it with "
                      f"--trainer.accumulate_grad_batches={old // world})" if old % world == 0 else
                      f" (packed rows per optimizer step; {ranks} cannot make {old}: resume on a divisor of it)")
-        (refused if _fixed(key, fixed) and old != missing else changed).append(line)
+        (refused if _fixed(key, weights_only) and old != missing else changed).append(line)
     return refused, changed
 
 
@@ -98,7 +103,7 @@ def check_resume(saved: dict[str, Any] | None, current: dict[str, Any], path: st
         log.warning(f"the checkpoint{where} has no settings record (written by an older version): the drafter's "
                     "shape is checked by the weights' shapes only, the target and tokenizer not at all")
         return []
-    refused, changed = compare(saved, current, FIXED if fitting else FIXED_FOR_WEIGHTS)
+    refused, changed = compare(saved, current, weights_only=not fitting)
     if refused:
         raise ResumeError(
             f"cannot resume{where}: these settings change what is trained (checkpoint -> now):\n  "

@@ -187,3 +187,6 @@ def test_fields_unknown_now_are_not_compared():
     saved = {"drafter.num_layers": 1, "trainer.global_batch": 8, "model.lr": 0.1}
     assert compare(saved, {"drafter.num_layers": 1, "model.lr": 0.2}) == ([], ["model.lr: 0.1 -> 0.2"])
     assert compare(saved, {"drafter.num_layers": 2})[0] == ["drafter.num_layers: 1 -> 2"]
+    # a setting the lists do not name (one added later, say) is refused; validate checks the weights' fields only
+    assert compare({"model.loss": "ce"}, {"model.loss": "kl"}) == (["model.loss: 'ce' -> 'kl'"], [])
+    assert compare({"model.loss": "ce"}, {"model.loss": "kl"}, weights_only=True) == ([], ["model.loss: 'ce' -> 'kl'"])
