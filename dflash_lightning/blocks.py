@@ -6,6 +6,8 @@ shape set by the token budget T, the anchor count A and the block size B, so the
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -47,6 +49,16 @@ def anchor_candidates(loss_mask: Tensor, doc_ids: Tensor) -> Tensor:
     nxt_same_doc = (doc_ids[:-1] == doc_ids[1:]) & (doc_ids[:-1] >= 0)
     ok = loss_mask[:-1] & loss_mask[1:] & nxt_same_doc
     return torch.cat([ok, ok.new_zeros(1)])
+
+
+def anchor_seed(seed: int, split: str, epoch: int, index: int) -> int:
+    """Seed of one batch's anchor draw, a function of the batch's place in the data stream only.
+
+    No generator state to save: a resumed run, on any number of ranks, draws the same anchors for the
+    same batch (`index` is the batch's position in its epoch's global stream).
+    """
+    key = f"{seed}/{split}/{epoch}/{index}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1  # < 2**63
 
 
 def select_anchors(

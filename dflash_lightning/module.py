@@ -2,6 +2,7 @@
 
 `configure_model` builds the drafter and its persistent step buffers, then compiles the drafter in
 place; every training step copies the batch into those buffers, so shapes and addresses never change.
+Checkpoints carry the run's settings record (resume.py), checked when a run resumes from them.
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ from typing import Any, Literal
 
 import torch
 from lightning.pytorch import LightningModule
+from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
 
-from dflash_lightning.blocks import base_slot_weights, select_anchors
+from dflash_lightning import resume
+from dflash_lightning.blocks import anchor_seed, base_slot_weights, select_anchors
 from dflash_lightning.config import ConfigError, DrafterConfig
 from dflash_lightning.loss import LossSettings
 from dflash_lightning.metrics import DraftMetrics
@@ -104,6 +107,9 @@ class DFlashModule(LightningModule):
             dpace_alpha: D-PACE smoothing alpha in [0, 1]: s_k = (1 - alpha) * q_k + alpha.
             temperature: Distillation temperature: KL of the softmaxes of logits / temperature, times
                 temperature**2.
+
+        Anchors are drawn from a seed of each batch's place in the data stream (`batch["anchor_seed"]`, from
+        `DFlashDataModule`), so a resumed run draws the same anchors as an uninterrupted one.
         """
         super().__init__()
         self.save_hyperparameters()
@@ -116,10 +122,19 @@ class DFlashModule(LightningModule):
         if metrics_every < 1:
             raise ConfigError(f"metrics_every must be >= 1, got {metrics_every}")
         self.loss_settings = LossSettings(objective, loss_weights, dpace_alpha, temperature)
+        if head_chunk_size < 1:
+            raise ConfigError(f"head_chunk_size must be >= 1, got {head_chunk_size}")
+        if not 0 <= warmup_ratio < 1:
+            raise ConfigError(f"warmup_ratio must be in [0, 1) (a fraction of the steps), got {warmup_ratio}")
+        if not 0 <= min_lr_ratio <= 1:
+            raise ConfigError(f"min_lr_ratio must be in [0, 1] (a fraction of lr), got {min_lr_ratio}")
         self.train_metrics = DraftMetrics(cfg.block_size, topk)
         self.val_metrics = DraftMetrics(cfg.block_size, topk)
         self.drafter: DFlashDrafter | None = None
         self.buffers_: StepBuffers | None = None
+        self._anchor_generator: torch.Generator | None = None
+        self._run_record: dict[str, Any] | None = None
+        self._resumed = False
 
     def configure_model(self) -> None:
         """Build the drafter, attach the target's frozen embedding and head, make buffers, compile."""
@@ -160,9 +175,22 @@ class DFlashModule(LightningModule):
             anchors, valid, buf.slot_weights, topk, buf.final_hidden,
         )
 
+    def anchor_generator(self, batch: dict[str, Any], batch_idx: int) -> torch.Generator:
+        """The generator of this batch's anchors, seeded from the batch's place in the stream: no state to save.
+
+        Batches of other loaders (no `anchor_seed`) are keyed by step, batch and rank instead. The data module
+        keeps the seed on the host, and seeding is host-side: no device sync.
+        """
+        seed = batch.get("anchor_seed")
+        if seed is None:
+            seed = anchor_seed(self.global_rank, "step", self.global_step, batch_idx)
+        if self._anchor_generator is None or self._anchor_generator.device != self.device:
+            self._anchor_generator = torch.Generator(self.device)
+        return self._anchor_generator.manual_seed(int(seed))
+
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         measure = batch_idx % self.hparams.metrics_every == 0
-        out = self.step(batch, max(self.hparams.topk) if measure else 0)
+        out = self.step(batch, max(self.hparams.topk) if measure else 0, self.anchor_generator(batch, batch_idx))
         if measure:  # logging only here keeps host syncs off the other steps
             self.train_metrics.update(out.topk, out.labels, out.supervised)
             extra = {"ce": out.ce} if self.loss_settings.distills else {}
@@ -171,7 +199,7 @@ class DFlashModule(LightningModule):
         return out.loss
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
-        out = self.step(batch, max(self.hparams.topk))
+        out = self.step(batch, max(self.hparams.topk), self.anchor_generator(batch, batch_idx))
         self.val_metrics.update(out.topk, out.labels, out.supervised)
         self.log("val/loss", out.loss, prog_bar=True, batch_size=1, sync_dist=True)  # epoch mean over ranks
         if self.loss_settings.distills:  # comparable across objectives
@@ -225,3 +253,43 @@ class DFlashModule(LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # The resolved drafter config lets export and evaluation work without re-reading the target.
         checkpoint["drafter_config"] = self.drafter_config.to_dict()
+        checkpoint[resume.RECORD_KEY] = self.run_record()
+
+    def run_record(self) -> dict[str, Any]:
+        """This run's settings as a checkpoint records them (made once: the target is fingerprinted)."""
+        if self._run_record is None or self._trainer is None:  # data and layout are known once in a Trainer
+            record = resume.run_record(self)
+            if self._trainer is None:
+                return record
+            self._run_record = record
+        return self._run_record
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Refuse a checkpoint of a run that trained something else, before its weights are loaded.
+
+        On another number of ranks (the global batch kept) the loop's per-rank batch counts are rescaled.
+        """
+        trainer = self._trainer
+        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        saved = checkpoint.get(resume.RECORD_KEY)
+        resume.check_resume(saved, self.run_record(), getattr(trainer, "ckpt_path", None), fitting)
+        if fitting and saved is not None:
+            old_world = saved.get("trainer.world_size", trainer.world_size)
+            resume.rescale_loop_progress(checkpoint, old_world, trainer.world_size)
+        self._resumed = fitting
+
+    def on_train_start(self) -> None:
+        if self._resumed:  # loading the optimizer and scheduler restored the checkpoint's values of these
+            self._apply_optimizer_settings()
+
+    def _apply_optimizer_settings(self) -> None:
+        """Set lr, betas and weight decay to this run's values; the schedule's position is the checkpoint's."""
+        hp = self.hparams
+        optimizer = self.optimizers(use_pl_optimizer=False)
+        scheduler = self.lr_schedulers()
+        for group, decay in zip(optimizer.param_groups, (hp.weight_decay, 0.0), strict=True):
+            group.update(betas=tuple(hp.betas), weight_decay=decay, initial_lr=hp.lr)
+        scheduler.base_lrs = [hp.lr] * len(optimizer.param_groups)
+        for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas, strict=True):
+            group["lr"] = hp.lr * factor(scheduler.last_epoch)  # what LambdaLR computes, with this run's lr
+        scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]

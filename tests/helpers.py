@@ -1,8 +1,9 @@
-"""Packed-batch builders shared by the tests."""
+"""Packed-batch builders and a batch recorder shared by the tests."""
 
 from __future__ import annotations
 
 import torch
+from lightning.pytorch import Callback
 
 
 def packed_batch(doc_lengths: list[int], total: int, vocab: int = 40, seed: int = 0,
@@ -25,3 +26,15 @@ def packed_batch(doc_lengths: list[int], total: int, vocab: int = 40, seed: int 
         "input_ids": torch.tensor(ids), "position_ids": torch.tensor(pos),
         "doc_ids": torch.tensor(doc, dtype=torch.int32), "loss_mask": torch.tensor(mask),
     }
+
+
+
+class RecordRows(Callback):
+    """Appends `epoch anchor_seed global_step` of every training batch to `out/rank<r>.txt` (any process)."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        with open(f"{self.out}/rank{trainer.global_rank}.txt", "a") as f:
+            f.write(f"{trainer.current_epoch} {int(batch['anchor_seed'])} {trainer.global_step}\n")

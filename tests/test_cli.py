@@ -109,3 +109,24 @@ def test_separate_target_placement_gives_the_same_run(run_config):
         losses[placement] = (float(cli.trainer.logged_metrics["train/loss"]),
                              float(cli.trainer.logged_metrics["val/loss"]))
     assert losses["colocated"] == pytest.approx(losses["separate"], rel=1e-6)
+
+
+@pytest.mark.parametrize(("option", "message"), [
+    ("--model.head_chunk_size=0", "head_chunk_size must be >= 1, got 0"),
+    ("--model.warmup_ratio=2", r"warmup_ratio must be in \[0, 1\).*got 2"),
+    ("--model.warmup_ratio=1.0", r"warmup_ratio must be in \[0, 1\).*got 1.0"),
+    ("--model.warmup_ratio=-0.1", r"warmup_ratio must be in \[0, 1\).*got -0.1"),
+])
+def test_bad_model_values_are_refused_naming_the_field(run_config, option, message):
+    from dflash_lightning.config import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        cli_main(["--config", str(run_config), option], run=False)
+
+
+@pytest.mark.parametrize("option", ["--model.num_anchor=8", "--model.drafter.num_layer=2", "--trainer.max_step=3"])
+def test_option_prefixes_are_not_taken_for_whole_names(run_config, option, capsys):
+    """argparse would take `--model.num_anchor` for `--model.num_anchors`; a typo must not set another field."""
+    with pytest.raises(SystemExit):
+        cli_main(["fit", "--config", str(run_config), option])
+    assert f"unrecognized arguments: {option}" in capsys.readouterr().err

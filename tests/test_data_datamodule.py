@@ -101,6 +101,7 @@ def test_epoch_serves_every_sample_once_in_fixed_shapes(data, caplog):
             assert {k: (tuple(v.shape), v.dtype) for k, v in b.items()} == {
                 "input_ids": ((T,), torch.int64), "position_ids": ((T,), torch.int64),
                 "doc_ids": ((T,), torch.int32), "loss_mask": ((T,), torch.bool), "doc_lengths": ((D,), torch.int32),
+                "anchor_seed": ((), torch.int64),  # the batch's anchor draw, keyed by its place in the stream
             }
         assert sorted(d for b in batches for d in docs_of(b)) == all_docs(dm)  # none lost, none duplicated
     assert not same(epochs[0], epochs[1]) and not same(epochs[1], epochs[2])  # reshuffled every epoch
@@ -135,7 +136,7 @@ def test_resume_by_hand_continues_with_the_next_batch(data):
     head = list(itertools.islice(iter(loader), k))  # part of epoch 1
     assert same(head, epochs[1][:k])
     state = dm.state_dict()
-    assert state["epoch"] == 1 and state["batches_served"] == k
+    assert state["epoch"] == 1 and state["rows_served"] == k
     resumed = make_dm(data)
     resumed.load_state_dict(state)
     loader = resumed.train_dataloader()

@@ -38,6 +38,12 @@ class DFlashCLI(LightningCLI):
         parser.link_arguments("data.token_budget", "model.token_budget")
         parser.link_arguments("model.drafter.block_size", "data.block_size")
 
+    def _parse_ckpt_path(self) -> None:
+        """Keep the typed settings: LightningCLI would replace them by the checkpoint's hyper-parameters.
+
+        The module compares the two when it loads the checkpoint and refuses changes to what is trained.
+        """
+
 
 def main(argv: Sequence[str] | None = None, run: bool = True) -> DFlashCLI:
     """`fit` or `validate` (the first of `argv`); `run=False` only parses and instantiates."""
@@ -49,4 +55,5 @@ def main(argv: Sequence[str] | None = None, run: bool = True) -> DFlashCLI:
         run=run,
         save_config_kwargs={"overwrite": True},
         auto_configure_optimizers=False,
+        parser_kwargs={"allow_abbrev": False},  # `--model.num_anchor=8` is an error, not num_anchors
     )

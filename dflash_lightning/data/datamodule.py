@@ -1,6 +1,6 @@
 """`DFlashDataModule`: conversation files -> tokenized samples (in `setup`) -> one packed fixed-shape row
-per batch, repacked every epoch, resumable mid-epoch through `state_dict`; with `feature_cache`, every batch
-also carries the target's context features read from a cache (feature_cache.py) instead of the target.
+per batch, repacked every epoch, resumable mid-epoch (on any number of ranks) through `state_dict`; with
+`feature_cache`, every batch also carries the target's context features read from a cache (feature_cache.py).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from lightning.pytorch import LightningDataModule
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
+from dflash_lightning.blocks import anchor_seed
 from dflash_lightning.data.conversations import (
     DataError,
     TokenizedSamples,
@@ -52,21 +53,27 @@ def _rank_zero(level: int, message: str) -> None:
 
 
 class _Rows:
-    """Collates packed rows of tokenized documents into `PackedBatch`es (with cached features if given)."""
+    """Collates packed rows of tokenized documents into `PackedBatch`es (with cached features if given).
+
+    Every batch also carries `anchor_seed` (int64, 0-d): its anchor draw, keyed by its place in the stream.
+    """
 
     def __init__(self, samples: TokenizedSamples, token_budget: int, max_documents: int, pad_id: int,
-                 features: SplitFeatures | None = None) -> None:
+                 features: SplitFeatures | None = None, seed: int = 0) -> None:
         self.samples = samples
         self.token_budget = token_budget
         self.max_documents = max_documents
         self.pad_id = pad_id
         self.features = features
+        self.seed = seed
 
-    def collate(self, row: list[int]) -> PackedBatch:
+    def collate(self, row: list[int], split: str, epoch: int, index: int) -> PackedBatch:
         docs = [self.samples.document(i) for i in row]
         batch = collate_documents(docs, self.token_budget, self.max_documents, self.pad_id)
         if self.features is not None:
             batch.update(self.features.packed(row, self.token_budget))  # type: ignore[typeddict-item]
+        seed = anchor_seed(self.seed, split, epoch, index)
+        batch["anchor_seed"] = torch.tensor(seed, dtype=torch.int64)  # type: ignore[typeddict-unknown-key]
         return batch
 
 
@@ -81,7 +88,7 @@ class _ValRows(_Rows, Dataset):
         return len(self.rows)
 
     def __getitem__(self, i: int) -> PackedBatch:
-        return self.collate(self.rows[i])
+        return self.collate(self.rows[i], "val", 0, i)  # the same anchors at every validation
 
 
 class _TrainRows(_Rows, IterableDataset):
@@ -90,7 +97,8 @@ class _TrainRows(_Rows, IterableDataset):
     def __init__(self, length: int, *args: Any) -> None:
         super().__init__(*args)
         self.length = length  # batches per epoch and process, the same in every epoch
-        self.rows: list[list[int]] = []
+        self.epoch = 0
+        self.rows: list[tuple[int, list[int]]] = []  # (index in the epoch's global stream, row)
 
     def __len__(self) -> int:
         return self.length
@@ -100,7 +108,8 @@ class _TrainRows(_Rows, IterableDataset):
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         # round-robin over workers is the order in which the DataLoader collects them: order is kept
         for j in range(worker, len(self.rows), workers):
-            yield self.collate(self.rows[j])
+            index, row = self.rows[j]
+            yield self.collate(row, "train", self.epoch, index)
 
 
 class _TrainLoader(DataLoader):
@@ -111,7 +120,7 @@ class _TrainLoader(DataLoader):
         self.datamodule = datamodule
 
     def __iter__(self) -> Iterator[PackedBatch]:  # type: ignore[override]
-        self.dataset.rows = self.datamodule._begin_train_pass()  # type: ignore[attr-defined]
+        self.dataset.epoch, self.dataset.rows = self.datamodule._begin_train_pass()  # type: ignore[attr-defined]
         for batch in super().__iter__():
             self.datamodule._count_train_batch(batch)
             yield batch
@@ -283,6 +292,14 @@ class DFlashDataModule(LightningDataModule):
         _rank_zero(logging.INFO, f"context features of {', '.join(splits)} from {cache.folder} "
                    f"({cache.feature_format}, {cache.manifest['feature_dim']} per token)")
 
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        """Moves the batch, but the anchor seed stays on the host, so that seeding the step's generator never syncs."""
+        seed = batch.pop("anchor_seed", None) if isinstance(batch, dict) else None
+        batch = super().transfer_batch_to_device(batch, device, dataloader_idx)
+        if seed is not None:
+            batch["anchor_seed"] = seed
+        return batch
+
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """fp8 cached features are dequantised here, on the device: half the bytes cross the host link."""
         if isinstance(batch, dict) and "context_features_fp8" in batch:
@@ -332,14 +349,17 @@ class DFlashDataModule(LightningDataModule):
         """One `PackedBatch` per step; the documents are repacked every epoch."""
         samples = self._require(self.train_samples, "train")
         _, world_size = self._rank_and_world_size()
-        if self._packer is None or self._packer.multiple_of != world_size:
+        # rows per epoch are a multiple of the global batch: every layout of that batch ends the epoch alike
+        global_batch = world_size * (self.trainer.accumulate_grad_batches if self.trainer is not None else 1)
+        if self._packer is None or self._packer.multiple_of != global_batch:
             self._packer = EpochPacker(
                 samples.lengths(), self.token_budget, self.max_documents, self.hparams.shuffle_buffer,
-                self.hparams.seed, multiple_of=world_size,
+                self.hparams.seed, multiple_of=global_batch,
             )
         length = math.ceil(self._packer.rows_per_epoch / world_size)
         dataset = _TrainRows(
-            length, samples, self.token_budget, self.max_documents, self.pad_id, self._features.get("train")
+            length, samples, self.token_budget, self.max_documents, self.pad_id, self._features.get("train"),
+            self.hparams.seed,
         )
         return _TrainLoader(
             self, dataset, num_workers=self.hparams.num_workers, pin_memory=torch.cuda.is_available()
@@ -355,7 +375,8 @@ class DFlashDataModule(LightningDataModule):
             rows = pack_documents(lengths, self.token_budget, self.max_documents, self.hparams.shuffle_buffer, None)
             self._val_rows = rows[: self.hparams.val_batches]
         dataset = _ValRows(
-            self._val_rows, samples, self.token_budget, self.max_documents, self.pad_id, self._features.get("val")
+            self._val_rows, samples, self.token_budget, self.max_documents, self.pad_id, self._features.get("val"),
+            self.hparams.seed,
         )
         return DataLoader(
             dataset, batch_size=None, shuffle=False, num_workers=self.hparams.num_workers,
@@ -379,16 +400,26 @@ class DFlashDataModule(LightningDataModule):
 
     # ------------------------------------------------------------------------ the training stream
 
-    def _begin_train_pass(self) -> list[list[int]]:
-        """Rows this process serves in this pass: the epoch's packing, its share, from the resume point on."""
+    def _begin_train_pass(self) -> tuple[int, list[tuple[int, list[int]]]]:
+        """The epoch and the (global index, row)s this process serves in this pass, from the resume point on.
+
+        The epoch's packing is one global stream; rank r of W takes rows r, r + W, ... of it, and the resume
+        point counts rows of that stream, so a run resumes on another number of ranks where it stopped.
+        """
         assert self._packer is not None and self.train_samples is not None
         # the trainer's epoch is the truth when fitting (it survives restarts); alone we count passes
         epoch = self.trainer.current_epoch if self._fitting() else self._epoch
+        rank, world_size = self._rank_and_world_size()
         start = 0
         if self._resume is not None:
             resume, self._resume = self._resume, None
             if resume["epoch"] == epoch:  # a resume point of another epoch is stale: that epoch had ended
-                start = resume["batches_served"]
+                start = resume["rows_served"]
+            if start % world_size:
+                raise RuntimeError(
+                    f"the checkpoint stopped after {start} rows of epoch {epoch}, which {world_size} ranks cannot "
+                    f"share evenly: resume on a number of ranks that divides {start}"
+                )
             if resume.get("documents", len(self.train_samples)) != len(self.train_samples):
                 _rank_zero(logging.WARNING, f"training data has {len(self.train_samples)} samples, the checkpoint "
                            f"had {resume['documents']}; batches are resumed by position in a different packing")
@@ -399,11 +430,10 @@ class DFlashDataModule(LightningDataModule):
             f"epoch {epoch}: {len(self.train_samples):,} documents packed into {len(rows):,} rows of "
             f"{self.token_budget} tokens, {len(self.train_samples) / max(1, len(rows)):.1f} documents per row, "
             f"{padding_fraction(len(rows), tokens, self.token_budget):.2%} padding"
-            + (f"; resuming after {start} batches" if start else ""),
+            + (f"; resuming after {start} rows ({start // world_size} batches per rank)" if start else ""),
         )
-        self._epoch, self._served = epoch, start
-        rank, world_size = self._rank_and_world_size()
-        return shard_rows(rows, rank, world_size)[start:]
+        self._epoch, self._served = epoch, start // world_size
+        return epoch, shard_rows(list(enumerate(rows)), rank, world_size)[start // world_size:]
 
     def _count_train_batch(self, batch: PackedBatch) -> None:
         self._served += 1
@@ -433,19 +463,24 @@ class DFlashDataModule(LightningDataModule):
         return stats
 
     def state_dict(self) -> dict[str, int]:
-        """Epoch and batches already served in it, so that a resumed run continues with the next batch."""
+        """Epoch and rows of its global stream already trained on (over all ranks), so a resume takes the next."""
         epoch, served = self._epoch, self._served
         if self._fitting():
             # the loader runs ahead of the step (Lightning prefetches); count the batches the loop processed
             epoch = self.trainer.current_epoch
             served = self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
         documents = len(self.train_samples) if self.train_samples is not None else -1
-        return {"epoch": epoch, "batches_served": served, "documents": documents}
+        _, world_size = self._rank_and_world_size()
+        return {"epoch": epoch, "rows_served": served * world_size, "world_size": world_size, "documents": documents}
 
     def load_state_dict(self, state_dict: dict[str, int]) -> None:
         """Continue the training stream from a `state_dict()`."""
-        self._epoch, self._served = int(state_dict["epoch"]), int(state_dict["batches_served"])
-        self._resume = {k: int(v) for k, v in state_dict.items() if int(v) >= 0}
+        state = {k: int(v) for k, v in state_dict.items()}
+        if "rows_served" not in state:  # written before positions were global: a count of this rank's batches
+            state["rows_served"] = state.pop("batches_served") * self._rank_and_world_size()[1]
+        _, world_size = self._rank_and_world_size()
+        self._epoch, self._served = state["epoch"], state["rows_served"] // world_size
+        self._resume = {k: v for k, v in state.items() if v >= 0}
 
 
 def _file_signature(path: Path) -> tuple[int, int]:

@@ -1,0 +1,138 @@
+"""What a checkpoint records about the run that wrote it, and the check of a resumed run against that record.
+
+A change that alters what is trained is refused before any step; the other changes take effect and are logged.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from dflash_lightning.config import ConfigError
+from dflash_lightning.fingerprints import target_fingerprint, tokenizer_sha256
+
+log = logging.getLogger(__name__)
+
+RECORD_KEY = "dflash_run"  # the checkpoint entry that holds the record
+
+# Fields (dotted; a trailing `.` is a whole section) that may change on resume: they take effect and are logged.
+# Every other recorded field changes what is trained and is refused, a module or data setting added later too.
+FREE = (
+    "model.lr", "model.weight_decay", "model.betas", "model.warmup_ratio", "model.min_lr_ratio", "model.compile",
+    "model.compile_mode", "model.compile_cache_dir", "model.metrics_every", "model.topk", "model.head_chunk_size",
+    "model.target", "target.path", "tokenizer.path", "data.tokenizer",  # paths: the fingerprints are compared
+    "data.train_files", "data.val_files", "data.val_batches", "data.num_workers", "data.cache_dir",
+    "data.feature_cache", "data.on_bad_record", "trainer.",
+)
+NOT_FREE = ("trainer.global_batch",)  # ... except this one
+# `validate` checks only that the weights fit: their shape and their target.
+FIXED_FOR_WEIGHTS = ("drafter.", "target.config_sha256", "target.weights_sha256", "tokenizer.sha256")
+
+
+class ResumeError(ConfigError):
+    """A resumed run whose settings would train something else than the checkpoint's run."""
+
+
+def _plain(value: Any) -> Any:
+    """JSON-plain copy (tuples become lists), so that a record compares equal after a save and a load."""
+    return json.loads(json.dumps(value, default=str))
+
+
+def run_record(module: Any) -> dict[str, Any]:
+    """The settings of a `DFlashModule`'s run that a checkpoint records: flat `section.field` -> plain value."""
+    hp = module.hparams
+    record: dict[str, Any] = {f"drafter.{k}": v for k, v in module.drafter_config.to_dict().items()}
+    # every hyper-parameter but the drafter's (resolved, above) and LightningCLI's `_instantiator`
+    record |= {f"model.{k}": v for k, v in hp.items() if k != "drafter" and not k.startswith("_")}
+    record["target.path"] = str(hp.target)
+    record |= {f"target.{k}": v for k, v in target_fingerprint(hp.target).items()}
+    trainer = module._trainer  # None outside a Trainer (the property raises)
+    dm = getattr(trainer, "datamodule", None) if trainer is not None else None
+    data = getattr(dm, "hparams", None) or {}
+    tokenizer = data.get("tokenizer") or hp.target
+    record["tokenizer.path"] = str(tokenizer)
+    record["tokenizer.sha256"] = tokenizer_sha256(tokenizer)
+    if data:
+        record |= {f"data.{k}": v for k, v in data.items() if not k.startswith("_")}
+        for name, attr in (("max_length", "max_length"), ("min_supervised_tokens", "min_supervised")):
+            if hasattr(dm, attr):
+                record[f"data.{name}"] = getattr(dm, attr)  # the resolved values, not the None defaults
+    if trainer is not None:
+        world, accumulate = trainer.world_size, trainer.accumulate_grad_batches
+        record |= {"trainer.world_size": world, "trainer.accumulate_grad_batches": accumulate,
+                   "trainer.global_batch": world * accumulate, "trainer.max_steps": trainer.max_steps,
+                   "trainer.max_epochs": trainer.max_epochs, "trainer.precision": str(trainer.precision)}
+    return _plain(record)
+
+
+def _matches(key: str, fields: tuple[str, ...]) -> bool:
+    return any(key == f or (f.endswith(".") and key.startswith(f)) for f in fields)
+
+
+def _fixed(key: str, weights_only: bool) -> bool:
+    if weights_only:
+        return _matches(key, FIXED_FOR_WEIGHTS)
+    return _matches(key, NOT_FREE) or not _matches(key, FREE)
+
+
+def compare(saved: dict[str, Any], current: dict[str, Any], weights_only: bool = False
+            ) -> tuple[list[str], list[str]]:
+    """(refused, changed): one `field: old -> new` line per differing field, split by whether it may change."""
+    refused, changed = [], []
+    missing = "(not recorded)"
+    for key in sorted(current.keys()):  # a field unknown now (no Trainer, no data module) is not compared
+        old, new = saved.get(key, missing), current[key]
+        if old == new:
+            continue
+        line = f"{key}: {old!r} -> {new!r}"
+        if key == "trainer.global_batch" and "trainer.world_size" in current and isinstance(old, int):
+            world = current["trainer.world_size"]
+            ranks = f"{world} rank{'s' if world != 1 else ''}"
+            line += (f" (packed rows per optimizer step; on {ranks} keep it with "
+                     f"--trainer.accumulate_grad_batches={old // world})" if old % world == 0 else
+                     f" (packed rows per optimizer step; {ranks} cannot make {old}: resume on a divisor of it)")
+        (refused if _fixed(key, weights_only) and old != missing else changed).append(line)
+    return refused, changed
+
+
+def check_resume(saved: dict[str, Any] | None, current: dict[str, Any], path: str | None, fitting: bool) -> list[str]:
+    """Raise ResumeError naming every fixed field that differs; log and return the fields that changed."""
+    where = f" from {path}" if path else ""
+    if saved is None:
+        log.warning(f"the checkpoint{where} has no settings record (written by an older version): the drafter's "
+                    "shape is checked by the weights' shapes only, the target and tokenizer not at all")
+        return []
+    refused, changed = compare(saved, current, weights_only=not fitting)
+    if refused:
+        raise ResumeError(
+            f"cannot resume{where}: these settings change what is trained (checkpoint -> now):\n  "
+            + "\n  ".join(refused)
+            + "\ntype the checkpoint's values, or start a new run (another checkpoint folder, no --ckpt_path)"
+        )
+    if changed:
+        log.warning(f"resuming{where} with changed settings (checkpoint -> now), which take effect:\n  "
+                    + "\n  ".join(changed))
+    return changed
+
+
+def rescale_loop_progress(checkpoint: dict[str, Any], old_world: int, new_world: int) -> None:
+    """Rewrite the fit loop's batch counters (per rank) for `new_world` ranks; the optimizer steps stay.
+
+    With the global batch kept, a rank of the new run has done `old_world / new_world` times the batches of a
+    rank of the old one. Differences between the counters (they mark where in a batch the save happened) stay.
+    """
+    if old_world == new_world or "loops" not in checkpoint:
+        return
+    progress = checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]
+    for scope in ("total", "current"):
+        counters = progress[scope]
+        base = counters["processed"]
+        if (base * old_world) % new_world:
+            raise ResumeError(
+                f"the checkpoint was written after {base} batches per rank on {old_world} ranks (mid-way through a "
+                f"gradient accumulation), which {new_world} ranks cannot share: resume on {old_world} ranks"
+            )
+        new_base = base * old_world // new_world
+        for name in ("ready", "started", "processed", "completed"):
+            counters[name] = new_base + counters[name] - base
