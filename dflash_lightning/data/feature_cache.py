@@ -8,6 +8,7 @@ Layout of `out/`:
     {split}-{i:05d}.safetensors   samples [first, end) of a split, laid end to end:
         features   [tokens, K*H] bf16, or float8_e4m3fn with `scales` [tokens] fp32 (row absmax / 448)
         input_ids  [tokens] int32;  loss_mask [tokens] bool;  starts [samples + 1] int64 (offsets in the shard)
+        crc32      [samples] int64: each sample's stored bytes, checked whenever the reader serves the sample
     progress-rank{r}.json     shards a rank finished while the run is in progress (merged at the end)
 """
 
@@ -15,8 +16,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import mmap
 import warnings
+import zlib
 from bisect import bisect_right
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -32,6 +35,8 @@ if TYPE_CHECKING:
     from lightning.pytorch import LightningDataModule
 
     from dflash_lightning.data.conversations import TokenizedSamples
+
+log = logging.getLogger(__name__)
 
 VERSION = 1
 MANIFEST = "manifest.json"
@@ -142,6 +147,25 @@ def dequantize(values: Tensor, scales: Tensor) -> Tensor:
 
 
 
+SAMPLE_FIELDS = ("features", "scales", "input_ids", "loss_mask")  # what a sample's crc32 covers, in this order
+
+
+def sample_crc32(tensors: dict[str, Tensor], a: int, b: int) -> int:
+    """crc32 of the bytes of tokens [a, b) of every stored per-token tensor: one rule for the writer and reader."""
+    crc = 0
+    for name in SAMPLE_FIELDS:
+        if name in tensors:
+            crc = zlib.crc32(tensors[name][a:b].contiguous().view(torch.uint8).numpy(), crc)
+    return crc
+
+
+def sample_checksums(tensors: dict[str, Tensor]) -> Tensor:
+    """The `crc32` tensor of a shard: `sample_crc32` of each sample that `starts` delimits, int64 [samples]."""
+    starts = tensors["starts"].tolist()
+    return torch.tensor([sample_crc32(tensors, a, b) for a, b in zip(starts[:-1], starts[1:], strict=True)],
+                        dtype=torch.int64)
+
+
 class Shard:
     """A memory-mapped shard: its tensors are views of the file (no read until they are sliced and copied)."""
 
@@ -200,11 +224,18 @@ class SplitFeatures:
         return self._open[k]
 
     def document(self, i: int) -> dict[str, Tensor]:
-        """Views of sample i's stored tensors: features [n, K*H] (+ scales [n]), input_ids, loss_mask."""
+        """Views of sample i's stored tensors: features [n, K*H] (+ scales [n]), input_ids, loss_mask; the bytes
+        are checked against the sample's crc32 first (flipped bytes are refused naming the shard)."""
         k = bisect_right(self.firsts, i) - 1
         shard = self.shard(k).tensors
         starts = shard["starts"]
-        a, b = int(starts[i - self.firsts[k]]), int(starts[i - self.firsts[k] + 1])
+        j = i - self.firsts[k]
+        a, b = int(starts[j]), int(starts[j + 1])
+        if "crc32" in shard and sample_crc32(shard, a, b) != int(shard["crc32"][j]):
+            raise FeatureCacheError(
+                f"feature cache shard {self.folder / self.shards[k]['file']} is corrupt: sample {i} (tokens {a}..{b} "
+                "of the shard) fails its crc32 check. Make the cache again (python -m dflash_lightning cache)"
+            )
         names = ("features", "scales", "input_ids", "loss_mask") if self.feature_format == "fp8" else (
             "features", "input_ids", "loss_mask")
         return {name: shard[name][a:b] for name in names}
@@ -266,6 +297,9 @@ class FeatureCache:
         reader = SplitFeatures(self.folder, shards, self.feature_format, self.manifest["feature_dim"])
         for k in range(len(shards)):
             reader.shard(k)
+        if shards and "crc32" not in reader.shard(0).tensors:
+            log.warning(f"feature cache {self.folder} predates per-sample checksums: flipped bytes in a shard are "
+                        "found only by `python -m dflash_lightning cache --verify true` (or make it again)")
         reader._open.clear()  # checked; workers map them again
         return reader
 
