@@ -228,13 +228,14 @@ def small_disk(tmp_path, monkeypatch):
 
 
 def test_full_disk_during_a_save_keeps_the_previous_checkpoint_and_says_what_was_needed(assets, tmp_path, small_disk):
-    config = fault_config(assets, tmp_path, max_steps=4, checkpoints=small_disk, save_last=False, save_top_k=1)
+    """The only checkpoint, last.ckpt, is rewritten at step 4 on a disk with no room for a second copy."""
+    config = fault_config(assets, tmp_path, max_steps=4, checkpoints=small_disk, save_last=True, save_top_k=0)
     with pytest.raises(CheckpointError) as err:
-        fit(config)  # saves step 2 (fits), then step 4 (does not)
+        fit(config)  # last.ckpt at step 2 fits; its replacement at step 4 does not
     message = str(err.value)
-    assert "\n" not in message and str(small_disk / "step=4.ckpt") in message
+    assert "\n" not in message and str(small_disk / "last.ckpt") in message
     assert "disk full" in message and "needs about" in message and "previous checkpoints are intact" in message
-    assert steps_in(small_disk) == {"step=2.ckpt": 2}  # readable, and nothing half-written beside it
+    assert steps_in(small_disk) == {"last.ckpt": 2}  # still whole and readable, nothing half-written beside it
     assert not list(small_disk.glob(".*"))
 
 
