@@ -34,10 +34,18 @@ import torch
 from dflash_lightning.atomic import write_json
 from dflash_lightning.data import DFlashDataModule
 from dflash_lightning.data.conversations import resolve_files, tokenize_files
-from dflash_lightning.data.feature_cache import MANIFEST, VERSION, data_header, dequantize, quantize_fp8
+from dflash_lightning.data.feature_cache import (
+    MANIFEST,
+    VERSION,
+    data_header,
+    dequantize,
+    quantize_fp8,
+    sample_checksums,
+)
 from dflash_lightning.data.feature_cache_writer import plan_shards, write_shard
 
 QWEN3_8B_FEATURE_DIM = 5 * 4096  # K * H of the recipe
+CHECKSUMS = os.environ.get("DATA_BENCH_CHECKSUMS", "1") == "1"  # 0: shards without per-sample crc32 (old caches)
 GPU_STEP_S = 0.15065608919999987  # compiled drafter step at 8192 tokens, 512 anchors (h200-2026-11-29.json)
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -97,6 +105,8 @@ def make_cache(folder: Path, dm: DFlashDataModule, feature_format: str, feature_
                    else dict(zip(("features", "scales"), quantize_fp8(feats), strict=True)))
         tensors |= {"input_ids": samples.input_ids[a:b], "loss_mask": samples.loss_mask[a:b],
                     "starts": samples.starts[shard["first"] : shard["end"] + 1] - a}
+        if CHECKSUMS:  # what the writer stores, and the reader then checks for every sample it serves
+            tensors["crc32"] = sample_checksums(tensors)
         shard.update(write_shard(folder / shard["file"], tensors, {}))
         size += shard["bytes"]
     header["splits"]["train"]["shards"] = shards

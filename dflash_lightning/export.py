@@ -16,6 +16,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from dflash_lightning.checkpointing import CheckpointError, load_checkpoint, nonfinite_weights
 from dflash_lightning.config import ConfigError, DrafterConfig, _rope_settings
 from dflash_lightning.model import DFlashDrafter
 from dflash_lightning.target import DTYPES, load_target_config, load_target_io, weight_map
@@ -122,13 +123,15 @@ def check_state_dict(cfg: DrafterConfig, state: dict[str, Tensor], source: str) 
 def read_checkpoint(path: str | Path) -> tuple[DrafterConfig, dict[str, Tensor], str | None]:
     """Drafter config, drafter weights (no `drafter.` prefix) and target path of a Lightning checkpoint."""
     # weights_only=False: the hyper-parameters hold a DrafterConfig object; the file is the user's own.
-    ckpt = torch.load(path, map_location="cpu", weights_only=False)
-    if "drafter_config" not in ckpt:
-        raise ConfigError(f"{path}: no 'drafter_config' entry; is this a DFlashModule checkpoint?")
+    ckpt = load_checkpoint(path, weights_only=False, required=("state_dict", "drafter_config"))
     cfg = DrafterConfig(**ckpt["drafter_config"])
     prefix = "drafter."
     state = {k[len(prefix):]: v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)}
     check_state_dict(cfg, state, str(path))
+    bad = nonfinite_weights(state)
+    if bad:  # written before saves refused them, or by other code: such weights draft nothing
+        names = ", ".join(f"{k} ({n})" for k, n in list(bad.items())[:4])
+        raise CheckpointError(f"{path}: non-finite weights (NaN/Inf values in {len(bad)} tensors: {names})")
     return cfg, state, (ckpt.get("hyper_parameters") or {}).get("target")
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections import deque
 from pathlib import Path
 from typing import Any, Literal
 
@@ -26,6 +27,10 @@ from dflash_lightning.model import DFlashDrafter, DraftOutput
 from dflash_lightning.target import load_target_config, load_target_io, tokenizer_ids
 
 BATCH_KEYS = ("input_ids", "position_ids", "doc_ids", "loss_mask")
+
+
+class NonFiniteError(RuntimeError):
+    """Training met a NaN/Inf loss or gradient norm under `nonfinite: stop`, or too many in a row under `skip`."""
 
 
 class StepBuffers(nn.Module):
@@ -79,6 +84,8 @@ class DFlashModule(LightningModule):
         loss_weights: Literal["decay", "dpace"] = "decay",
         dpace_alpha: float = 0.5,
         temperature: float = 1.0,
+        nonfinite: Literal["skip", "stop"] = "skip",
+        max_nonfinite_in_a_row: int = 16,
     ) -> None:
         """
         Args:
@@ -107,6 +114,11 @@ class DFlashModule(LightningModule):
             dpace_alpha: D-PACE smoothing alpha in [0, 1]: s_k = (1 - alpha) * q_k + alpha.
             temperature: Distillation temperature: KL of the softmaxes of logits / temperature, times
                 temperature**2.
+            nonfinite: A step whose loss or gradient norm is NaN/Inf never updates the weights or the optimizer
+                state (decided on the device). skip: count it (`train/skipped_steps`, read every `metrics_every`
+                steps) and go on; stop: skip every update from then on and raise, naming the step and the batch's
+                source records, at the next metrics read.
+            max_nonfinite_in_a_row: Under `skip`, raise once this many steps in a row were skipped.
 
         Anchors are drawn from a seed of each batch's place in the data stream (`batch["anchor_seed"]`, from
         `DFlashDataModule`), so a resumed run draws the same anchors as an uninterrupted one.
@@ -128,6 +140,10 @@ class DFlashModule(LightningModule):
             raise ConfigError(f"warmup_ratio must be in [0, 1) (a fraction of the steps), got {warmup_ratio}")
         if not 0 <= min_lr_ratio <= 1:
             raise ConfigError(f"min_lr_ratio must be in [0, 1] (a fraction of lr), got {min_lr_ratio}")
+        if nonfinite not in ("skip", "stop"):
+            raise ConfigError(f"nonfinite must be skip or stop, got {nonfinite!r}")
+        if max_nonfinite_in_a_row < 1:
+            raise ConfigError(f"max_nonfinite_in_a_row must be >= 1, got {max_nonfinite_in_a_row}")
         self.train_metrics = DraftMetrics(cfg.block_size, topk)
         self.val_metrics = DraftMetrics(cfg.block_size, topk)
         self.drafter: DFlashDrafter | None = None
@@ -135,6 +151,12 @@ class DFlashModule(LightningModule):
         self._anchor_generator: torch.Generator | None = None
         self._run_record: dict[str, Any] | None = None
         self._resumed = False
+        # On the device, so the step never waits for the host: [skipped steps, skipped in a row, step index of the
+        # first skipped step (-1: none), steps seen] since this process started training.
+        self.register_buffer("nonfinite_counts", torch.tensor([0, 0, -1, 0]), persistent=False)
+        self._first_step = 0  # global step at which nonfinite_counts started counting
+        self._recent_batches: deque[tuple[int, Tensor]] = deque(maxlen=4 * metrics_every)  # (step, sample ids)
+        self._last_loss: Tensor | None = None
 
     def configure_model(self) -> None:
         """Build the drafter, attach the target's frozen embedding and head, make buffers, compile."""
@@ -190,13 +212,52 @@ class DFlashModule(LightningModule):
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         measure = batch_idx % self.hparams.metrics_every == 0
+        if "sample_ids" in batch:  # kept (on the device, no copy) to name a bad batch's records later
+            self._recent_batches.append((self.trainer.global_step, batch["sample_ids"]))
         out = self.step(batch, max(self.hparams.topk) if measure else 0, self.anchor_generator(batch, batch_idx))
+        self._last_loss = out.loss.detach()
         if measure:  # logging only here keeps host syncs off the other steps
             self.train_metrics.update(out.topk, out.labels, out.supervised)
+            counts = self.nonfinite_counts
             extra = {"ce": out.ce} if self.loss_settings.distills else {}
-            self._log_metrics("train", {**extra, **self.train_metrics.compute()}, out.loss)
+            values = {**extra, **self.train_metrics.compute(), "skipped_steps": counts[0],
+                      "skipped_in_a_row": counts[1]}
+            host = self._log_metrics("train", values, out.loss)
             self.train_metrics.reset()
+            self._check_nonfinite(*host[-2:].long().tolist())
         return out.loss
+
+    def on_train_end(self) -> None:
+        self._check_nonfinite()  # the steps after the last metrics read
+
+    def _check_nonfinite(self, skipped: int | None = None, in_a_row: int | None = None) -> None:
+        """Raise `NonFiniteError` as `nonfinite` says, from counts the host already has (else one copy)."""
+        if skipped is None or in_a_row is None:
+            skipped, in_a_row = self.nonfinite_counts[:2].tolist()
+        stop = self.hparams.nonfinite == "stop" and skipped > 0
+        if not stop and in_a_row < self.hparams.max_nonfinite_in_a_row:
+            return
+        _, _, first, seen = self.nonfinite_counts.tolist()
+        if stop:
+            step = self._first_step + first
+            raise NonFiniteError(
+                f"non-finite loss or gradient norm at step {step} (nonfinite: stop): neither it nor a later update "
+                f"was applied; batch records: {self._batch_sources(step)}"
+            )
+        last = self._first_step + seen - 1
+        raise NonFiniteError(
+            f"{in_a_row} steps in a row, through step {last}, had a non-finite loss or gradient norm and were skipped "
+            f"(max_nonfinite_in_a_row: {self.hparams.max_nonfinite_in_a_row}); last batch records: "
+            f"{self._batch_sources(last)}"
+        )
+
+    def _batch_sources(self, step: int) -> str:
+        """The file:line (or file:row N) of each record of the batch trained at `step`, if it is still known."""
+        ids = next((t for s, t in reversed(self._recent_batches) if s == step), None)
+        datamodule = getattr(self.trainer, "datamodule", None)
+        if ids is None or not hasattr(datamodule, "train_locations"):
+            return "unknown (not among the recent batches)"
+        return ", ".join(datamodule.train_locations([i for i in ids.tolist() if i >= 0]))
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         out = self.step(batch, max(self.hparams.topk), self.anchor_generator(batch, batch_idx))
@@ -209,25 +270,53 @@ class DFlashModule(LightningModule):
         self._log_metrics("val", self.val_metrics.compute())
         self.val_metrics.reset()
 
-    def _log_metrics(self, stage: str, values: dict[str, Tensor], loss: Tensor | None = None) -> None:
-        """Log metric values after one device-to-host copy, so later progress-bar reads never sync."""
+    def _log_metrics(self, stage: str, values: dict[str, Tensor], loss: Tensor | None = None) -> Tensor:
+        """Log metric values after one device-to-host copy, so later progress-bar reads never sync; returns them."""
         if loss is not None:
             values = {"loss": loss.detach(), **values}
         host = torch.stack([v.float() for v in values.values()]).cpu()
         shown = {"loss", "acc", "tau"}
         for (name, _), value in zip(values.items(), host, strict=True):
             self.log(f"{stage}/{name}", value, prog_bar=name in shown, batch_size=1)
+        return host
 
     def configure_gradient_clipping(
         self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
         gradient_clip_algorithm: str | None = None,
     ) -> None:
-        """Clip by norm through FSDP's own `clip_grad_norm_` (the norm over all shards) where the model has it."""
+        """Clip, and make the fused optimizer skip the update on the device if the loss or the gradient norm is not
+        finite. By norm through FSDP's own `clip_grad_norm_` (the norm over all shards) where the model has it."""
+        by_norm = gradient_clip_algorithm in (None, "norm")
+        if gradient_clip_val and not by_norm:
+            super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        max_norm = float(gradient_clip_val) if gradient_clip_val and by_norm else math.inf
         wrapped = self.trainer.model
-        if gradient_clip_val and gradient_clip_algorithm in (None, "norm") and hasattr(wrapped, "clip_grad_norm_"):
-            wrapped.clip_grad_norm_(gradient_clip_val)  # Lightning's own norm clipping refuses FSDP
-            return
-        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        if hasattr(wrapped, "clip_grad_norm_"):
+            norm = wrapped.clip_grad_norm_(max_norm)  # Lightning's own norm clipping refuses FSDP
+        else:
+            params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)  # equal on all DDP ranks
+            if max_norm < math.inf:
+                torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+        self._skip_if_nonfinite(optimizer, norm)
+
+    def _skip_if_nonfinite(self, optimizer: torch.optim.Optimizer, grad_norm: Tensor) -> None:
+        """Sets the fused optimizer's `found_inf` (as GradScaler does): a 1 skips the update, moments and step count."""
+        bad = ~torch.isfinite(grad_norm.to(self.nonfinite_counts.device))
+        if self._last_loss is not None:
+            loss_bad = (~torch.isfinite(self._last_loss)).to(torch.int32)
+            if self.trainer.world_size > 1:
+                torch.distributed.all_reduce(loss_bad, op=torch.distributed.ReduceOp.MAX)  # every rank skips alike
+            bad = bad | loss_bad.bool()
+        counts, hit = self.nonfinite_counts, bad.long()
+        counts[0] += hit
+        counts[1] = (counts[1] + 1) * hit
+        counts[2] = torch.where((counts[2] < 0) & bad, counts[3], counts[2])
+        counts[3] += 1
+        if self.hparams.nonfinite == "stop":
+            bad = bad | (counts[2] >= 0)  # after the first bad step nothing is applied until the host raises
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps the torch one
+        optimizer.found_inf = bad.to(torch.float32)  # 0-dim, like the optimizer's step counts
 
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
@@ -236,7 +325,8 @@ class DFlashModule(LightningModule):
         no_decay = [p for p in params if p.ndim < 2]
         optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=hp.lr, betas=tuple(hp.betas), fused=self.device.type == "cuda",  # one kernel per step on GPUs
+            # fused (on the CPU too): one kernel per step on GPUs, and it skips non-finite steps on the device
+            lr=hp.lr, betas=tuple(hp.betas), fused=True,
         )
         total = max(1, int(self.trainer.estimated_stepping_batches))
         warmup = int(hp.warmup_ratio * total)
@@ -279,6 +369,8 @@ class DFlashModule(LightningModule):
         self._resumed = fitting
 
     def on_train_start(self) -> None:
+        self.nonfinite_counts.copy_(torch.tensor([0, 0, -1, 0]))
+        self._first_step = self.trainer.global_step
         if self._resumed:  # loading the optimizer and scheduler restored the checkpoint's values of these
             self._apply_optimizer_settings()
 

@@ -105,7 +105,7 @@ def test_separate_target_placement_gives_the_same_run(run_config):
     for placement in ("colocated", "separate"):
         extra = ["--target.target_devices=[cpu]", "--target.prefetch=2"] if placement == "separate" else []
         cli = cli_main(["fit", "--config", str(run_config), "--model.metrics_every=1", "--trainer.max_steps=3",
-                        f"--target.placement={placement}", *extra])
+                        "--preemption.resume=never", f"--target.placement={placement}", *extra])
         losses[placement] = (float(cli.trainer.logged_metrics["train/loss"]),
                              float(cli.trainer.logged_metrics["val/loss"]))
     assert losses["colocated"] == pytest.approx(losses["separate"], rel=1e-6)

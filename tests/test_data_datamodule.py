@@ -102,7 +102,9 @@ def test_epoch_serves_every_sample_once_in_fixed_shapes(data, caplog):
                 "input_ids": ((T,), torch.int64), "position_ids": ((T,), torch.int64),
                 "doc_ids": ((T,), torch.int32), "loss_mask": ((T,), torch.bool), "doc_lengths": ((D,), torch.int32),
                 "anchor_seed": ((), torch.int64),  # the batch's anchor draw, keyed by its place in the stream
+                "sample_ids": ((D,), torch.int64),  # where the batch's records came from (-1 padded)
             }
+            assert int((b["sample_ids"] >= 0).sum()) == int((b["doc_lengths"] > 0).sum())
         assert sorted(d for b in batches for d in docs_of(b)) == all_docs(dm)  # none lost, none duplicated
     assert not same(epochs[0], epochs[1]) and not same(epochs[1], epochs[2])  # reshuffled every epoch
     assert [m.split(":")[0] for m in caplog.messages if m.startswith("epoch ")] == ["epoch 0", "epoch 1", "epoch 2"]

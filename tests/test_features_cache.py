@@ -309,6 +309,29 @@ def test_damaged_shards_are_named(setup, tmp_path):
     cache_cli(setup, folder, "--verify", "true")
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_flipped_bytes_in_a_shard_are_refused_when_the_sample_is_read(setup, tmp_path, fmt):
+    """Same size, valid header, one byte of one sample's features changed: its crc32 names the shard."""
+    folder = tmp_path / "flipped"
+    shutil.copytree(setup["root"] / fmt, folder)
+    shard = folder / "train-00001.safetensors"
+    data = bytearray(shard.read_bytes())
+    n = int.from_bytes(data[:8], "little")
+    begin = 8 + n + json.loads(data[8 : 8 + n])["features"]["data_offsets"][0]
+    data[begin + 5] ^= 0x10
+    shard.write_bytes(bytes(data))
+    dm = make_dm(setup, feature_cache=str(folder))
+    dm.setup("fit")  # sizes and headers are fine: nothing is refused before a sample is read
+    first = json.loads((folder / "manifest.json").read_text())["splits"]["train"]["shards"][1]["first"]
+    features = dm._features["train"]
+    features.document(first + 1)  # another sample of the same shard is intact
+    with pytest.raises(FeatureCacheError, match=rf"train-00001\.safetensors is corrupt: sample {first} .*crc32"):
+        features.packed([first], 256)
+    with pytest.raises(FeatureCacheError, match=r"train-00001\.safetensors is corrupt"):
+        for _ in dm.train_dataloader():  # the same check where training reads
+            pass
+
+
 def test_fp8_batches_are_dequantised_after_transfer(setup):
     dm = make_dm(setup, feature_cache=str(setup["root"] / "fp8"))
     dm.setup("fit")

@@ -123,17 +123,29 @@ def test_missing_target_is_named(tmp_path):
 
 def test_norm_clipping_goes_through_fsdps_own_clip_grad_norm(tiny_target):
     """Lightning refuses norm clipping under FSDP; the module hands it to the wrapped model's clip_grad_norm_."""
+    import math
     from types import SimpleNamespace
 
     module = make_module(tiny_target)
+    params = [p for p in module.drafter.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, fused=True)
     calls = []
-    fsdp_like = SimpleNamespace(clip_grad_norm_=calls.append)
-    module._trainer = SimpleNamespace(model=fsdp_like)
+    fsdp_like = SimpleNamespace(clip_grad_norm_=lambda max_norm: calls.append(max_norm) or torch.tensor(2.0))
+    module._trainer = SimpleNamespace(model=fsdp_like, world_size=1)
     module.clip_gradients = lambda optimizer, gradient_clip_val, gradient_clip_algorithm: calls.append(
         ("lightning", gradient_clip_val, gradient_clip_algorithm)
     )
-    module.configure_gradient_clipping(None, 1.0, "norm")
-    module.configure_gradient_clipping(None, 1.0, "value")  # not a norm: Lightning's own clipping
-    module._trainer = SimpleNamespace(model=torch.nn.Linear(1, 1))  # DDP / one device: Lightning's own
-    module.configure_gradient_clipping(None, 1.0, "norm")
-    assert calls == [1.0, ("lightning", 1.0, "value"), ("lightning", 1.0, "norm")]
+    module.configure_gradient_clipping(optimizer, 1.0, "norm")
+    module.configure_gradient_clipping(optimizer, 1.0, "value")  # not a norm: Lightning's; the norm only measured
+    assert calls == [1.0, ("lightning", 1.0, "value"), math.inf]
+    module._trainer = SimpleNamespace(model=torch.nn.Linear(1, 1), world_size=1)  # DDP / one device
+    for p in params:
+        p.grad = torch.randn_like(p)
+    reference = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for r, p in zip(reference, params, strict=True):
+        r.grad = p.grad.clone()
+    torch.nn.utils.clip_grad_norm_(reference, 1.0)
+    module.configure_gradient_clipping(optimizer, 1.0, "norm")  # clipped here, as torch's clip_grad_norm_ does
+    for r, p in zip(reference, params, strict=True):
+        torch.testing.assert_close(p.grad, r.grad)
+    assert float(optimizer.found_inf) == 0.0

@@ -6,20 +6,35 @@ and the block size.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 import torch
+from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 
+from dflash_lightning.checkpointing import (
+    AtomicCheckpointIO,
+    load_checkpoint,
+    move_aside,
+    newest_complete_checkpoint,
+)
 from dflash_lightning.data import DFlashDataModule
 from dflash_lightning.image_logging import ImageLogging
 from dflash_lightning.module import DFlashModule
+from dflash_lightning.preemption import Preemption
 from dflash_lightning.target import TargetFeatures
 from dflash_lightning.validation import SpeculativeValidation
 
+log = logging.getLogger(__name__)
+
 
 class DFlashCLI(LightningCLI):
-    """LightningCLI with `target`, `spec_eval` and `images` sections (callbacks) and the DFlash links."""
+    """LightningCLI with `target`, `spec_eval`, `images` and `preemption` sections (callbacks) and the DFlash links."""
 
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
@@ -31,6 +46,7 @@ class DFlashCLI(LightningCLI):
         parser.add_lightning_class_args(TargetFeatures, "target")
         parser.add_lightning_class_args(SpeculativeValidation, "spec_eval")
         parser.add_lightning_class_args(ImageLogging, "images")
+        parser.add_lightning_class_args(Preemption, "preemption")
         parser.link_arguments("target.path", "model.target")
         parser.link_arguments("target.path", "spec_eval.target")
         parser.link_arguments("target.dtype", "spec_eval.dtype")
@@ -43,6 +59,43 @@ class DFlashCLI(LightningCLI):
 
         The module compares the two when it loads the checkpoint and refuses changes to what is trained.
         """
+
+    # ---------------------------------------------------------------- checkpoints and the automatic resume
+
+    def parse_arguments(self, parser: Any, args: Any) -> None:
+        super().parse_arguments(parser, args)
+        subcommand = self.config.get("subcommand")
+        ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if ckpt_path and Path(ckpt_path).is_file():  # a damaged file is refused in one line before anything reads it
+            load_checkpoint(ckpt_path, mmap=True, required=("state_dict",))
+
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        """The Trainer, with atomic checkpoint writes (unless the config names a CheckpointIO) and a fixed folder."""
+        trainer = super().instantiate_trainer(**kwargs)
+        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO and not self._names_checkpoint_io():
+            trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+        for cb in trainer.checkpoint_callbacks:
+            if isinstance(cb, ModelCheckpoint) and cb.dirpath is None:  # version_N/ would change on every start
+                cb.dirpath = str(Path(trainer.default_root_dir, "checkpoints").resolve())
+        return trainer
+
+    def _names_checkpoint_io(self) -> bool:
+        plugins = self._get(self.config_init, "trainer", default={}).get("plugins") or []
+        return any(isinstance(p, CheckpointIO) for p in (plugins if isinstance(plugins, list) else [plugins]))
+
+    def fit(self, model: DFlashModule, ckpt_path: str | None = None, **kwargs: Any) -> None:
+        """`Trainer.fit`, from the newest complete checkpoint unless `--ckpt_path` or `--preemption.resume=never`."""
+        preemption = next((c for c in self.trainer.callbacks if isinstance(c, Preemption)), None)
+        resume = preemption.resume if preemption is not None else "auto"
+        folders = [cb.dirpath for cb in self.trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)]
+        if ckpt_path is None and folders and resume == "never":
+            move_aside(folders[0])
+        elif ckpt_path is None and folders:
+            found = newest_complete_checkpoint(folders[0])
+            if found is not None:
+                log.warning(f"resuming from {found}, the newest complete checkpoint (--preemption.resume=never: fresh)")
+                ckpt_path = str(found)
+        self.trainer.fit(model, ckpt_path=ckpt_path, **kwargs)
 
 
 def main(argv: Sequence[str] | None = None, run: bool = True) -> DFlashCLI:

@@ -286,6 +286,10 @@ class TokenizedSamples:
     counts: dict[str, int] = field(default_factory=dict)  # read / kept / truncated
     dropped: dict[str, int] = field(default_factory=dict)  # reason -> number of records
     first_dropped: dict[str, str] = field(default_factory=dict)  # reason -> location of the first one
+    # where document i came from: `sources[doc_source[i]] + str(doc_record[i])`, e.g. "train.jsonl:12"
+    sources: list[str] = field(default_factory=list)  # location prefixes, "a.jsonl:" or "b.parquet:row "
+    doc_source: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int32))  # [documents]
+    doc_record: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))  # [documents]
 
     def __len__(self) -> int:
         return self.starts.numel() - 1
@@ -298,6 +302,12 @@ class TokenizedSamples:
         """`(input_ids, loss_mask)` of document i, as views."""
         a, b = int(self.starts[i]), int(self.starts[i + 1])
         return self.input_ids[a:b], self.loss_mask[a:b]
+
+    def location(self, i: int) -> str:
+        """File and line (or row) of document i's record; its index if the samples predate locations."""
+        if i >= self.doc_source.numel():
+            return f"sample {i}"
+        return f"{self.sources[int(self.doc_source[i])]}{int(self.doc_record[i])}"
 
     def report(self, name: str, min_supervised: int) -> str:
         """One line: what was kept, truncated and dropped, and why."""
@@ -333,6 +343,8 @@ def tokenize_files(
     check_tokenizer(tokenizer, tokenizer_name)
     template_kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
     input_ids, loss_mask, starts = array("i"), array("b"), [0]
+    sources: dict[str, int] = {}
+    doc_source, doc_record = array("i"), array("q")
     counts: Counter[str] = Counter()
     dropped: Counter[str] = Counter()
     first_dropped: dict[str, str] = {}
@@ -357,6 +369,9 @@ def tokenize_files(
                 first_dropped.setdefault(reason, location)
                 continue
             counts["kept"] += 1
+            prefix, number = _split_location(location)
+            doc_source.append(sources.setdefault(prefix, len(sources)))
+            doc_record.append(number)
             input_ids.extend(ids)
             loss_mask.extend(mask.tolist())
             starts.append(len(input_ids))
@@ -367,7 +382,16 @@ def tokenize_files(
         counts=dict(counts),
         dropped=dict(dropped),
         first_dropped=first_dropped,
+        sources=list(sources),
+        doc_source=_as_tensor(doc_source, torch.int32),
+        doc_record=_as_tensor(doc_record, torch.int64),
     )
+
+
+def _split_location(location: str) -> tuple[str, int]:
+    """`"a.jsonl:12"` -> `("a.jsonl:", 12)`; `"b.parquet:row 7"` -> `("b.parquet:row ", 7)`."""
+    digits = len(location) - len(location.rstrip("0123456789"))
+    return location[: len(location) - digits], int(location[len(location) - digits:] or 0)
 
 
 def _as_tensor(buffer: array, dtype: torch.dtype) -> Tensor:

@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 1  # bump when tokenization changes meaning, so old caches are not reused
+CACHE_VERSION = 2  # bump when tokenization changes meaning, so old caches are not reused (2: record locations)
 
 
 def _rank_zero(level: int, message: str) -> None:
@@ -70,6 +70,9 @@ class _Rows:
     def collate(self, row: list[int], split: str, epoch: int, index: int) -> PackedBatch:
         docs = [self.samples.document(i) for i in row]
         batch = collate_documents(docs, self.token_budget, self.max_documents, self.pad_id)
+        # the documents' sample indices (-1 padded to D): a batch that goes wrong can name its records
+        batch["sample_ids"] = torch.full((self.max_documents,), -1, dtype=torch.int64)  # type: ignore[typeddict-unknown-key]
+        batch["sample_ids"][: len(row)] = torch.tensor(row, dtype=torch.int64)  # type: ignore[typeddict-item]
         if self.features is not None:
             batch.update(self.features.packed(row, self.token_budget))  # type: ignore[typeddict-item]
         seed = anchor_seed(self.seed, split, epoch, index)
@@ -452,6 +455,11 @@ class DFlashDataModule(LightningDataModule):
             f"packing so far: {s['rows']:,} rows, {s['documents_per_row']:.2f} documents per row, "
             f"{s['padding_fraction']:.2%} padding, {s['supervised_tokens'] / max(1, s['tokens']):.1%} supervised",
         )
+
+    def train_locations(self, sample_ids: list[int]) -> list[str]:
+        """File and line (or row) of the training records with these sample indices (`batch["sample_ids"]`)."""
+        samples = self._require(self.train_samples, "train")
+        return [samples.location(i) for i in sample_ids]
 
     def packing_stats(self) -> dict[str, float]:
         """Running totals over the training batches served so far, with the fraction of padded tokens."""

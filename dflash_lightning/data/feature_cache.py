@@ -10,6 +10,7 @@ Layout of `out/`:
         input_ids  [tokens] int32;  loss_mask [tokens] bool;  starts [samples + 1] int64 (offsets in the shard)
         final_hidden  [tokens, H] bf16, the target's final normed hidden state (distillation's teacher, DFLASH.md
             section 4c); only in a cache whose manifest has `final_hidden: true`
+        crc32      [samples] int64: each sample's stored bytes, checked whenever the reader serves the sample
     progress-rank{r}.json     shards a rank finished while the run is in progress (merged at the end)
 """
 
@@ -17,8 +18,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import mmap
 import warnings
+import zlib
 from bisect import bisect_right
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -34,6 +37,8 @@ if TYPE_CHECKING:
     from lightning.pytorch import LightningDataModule
 
     from dflash_lightning.data.conversations import TokenizedSamples
+
+log = logging.getLogger(__name__)
 
 VERSION = 1
 MANIFEST = "manifest.json"
@@ -144,6 +149,25 @@ def dequantize(values: Tensor, scales: Tensor) -> Tensor:
 
 
 
+SAMPLE_FIELDS = ("features", "scales", "input_ids", "loss_mask")  # what a sample's crc32 covers, in this order
+
+
+def sample_crc32(tensors: dict[str, Tensor], a: int, b: int) -> int:
+    """crc32 of the bytes of tokens [a, b) of every stored per-token tensor: one rule for the writer and reader."""
+    crc = 0
+    for name in SAMPLE_FIELDS:
+        if name in tensors:
+            crc = zlib.crc32(tensors[name][a:b].contiguous().view(torch.uint8).numpy(), crc)
+    return crc
+
+
+def sample_checksums(tensors: dict[str, Tensor]) -> Tensor:
+    """The `crc32` tensor of a shard: `sample_crc32` of each sample that `starts` delimits, int64 [samples]."""
+    starts = tensors["starts"].tolist()
+    return torch.tensor([sample_crc32(tensors, a, b) for a, b in zip(starts[:-1], starts[1:], strict=True)],
+                        dtype=torch.int64)
+
+
 class Shard:
     """A memory-mapped shard: its tensors are views of the file (no read until they are sliced and copied)."""
 
@@ -204,11 +228,18 @@ class SplitFeatures:
 
     def document(self, i: int) -> dict[str, Tensor]:
         """Views of sample i's stored tensors: features [n, K*H] (+ scales [n]), input_ids, loss_mask, and
-        final_hidden [n, H] if this reader reads them."""
+        final_hidden [n, H] if this reader reads them; the bytes are checked against the sample's crc32 first
+        (flipped bytes are refused naming the shard)."""
         k = bisect_right(self.firsts, i) - 1
         shard = self.shard(k).tensors
         starts = shard["starts"]
-        a, b = int(starts[i - self.firsts[k]]), int(starts[i - self.firsts[k] + 1])
+        j = i - self.firsts[k]
+        a, b = int(starts[j]), int(starts[j + 1])
+        if "crc32" in shard and sample_crc32(shard, a, b) != int(shard["crc32"][j]):
+            raise FeatureCacheError(
+                f"feature cache shard {self.folder / self.shards[k]['file']} is corrupt: sample {i} (tokens {a}..{b} "
+                "of the shard) fails its crc32 check. Make the cache again (python -m dflash_lightning cache)"
+            )
         names = ("features", "scales", "input_ids", "loss_mask") if self.feature_format == "fp8" else (
             "features", "input_ids", "loss_mask")
         names += ("final_hidden",) if self.hidden_size else ()
@@ -284,6 +315,9 @@ class FeatureCache:
         reader = SplitFeatures(self.folder, shards, self.feature_format, self.manifest["feature_dim"], hidden)
         for k in range(len(shards)):
             reader.shard(k)
+        if shards and "crc32" not in reader.shard(0).tensors:
+            log.warning(f"feature cache {self.folder} predates per-sample checksums: flipped bytes in a shard are "
+                        "found only by `python -m dflash_lightning cache --verify true` (or make it again)")
         reader._open.clear()  # checked; workers map them again
         return reader
 

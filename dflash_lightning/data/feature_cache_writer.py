@@ -31,6 +31,7 @@ from dflash_lightning.data.feature_cache import (
     compare_headers,
     data_header,
     quantize_fp8,
+    sample_checksums,
     target_header,
 )
 from dflash_lightning.fingerprints import sha256_path
@@ -175,6 +176,7 @@ class ShardWriter(Callback):
         assert tensors["features"].shape[0] == b - a, "forward rows do not add up to the shard's tokens"
         tensors |= {"input_ids": samples.input_ids[a:b].to(torch.int32), "loss_mask": samples.loss_mask[a:b],
                     "starts": samples.starts[shard["first"] : shard["end"] + 1] - a}
+        tensors["crc32"] = sample_checksums(tensors)
         # one metadata key: safetensors writes several in random order, and equal shards should be equal files
         info = {"split": batch["split"], "first": shard["first"], "end": shard["end"],
                 "format": self.manifest["feature_format"]}

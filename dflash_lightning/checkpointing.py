@@ -1,0 +1,225 @@
+"""Checkpoint files that survive kills and full disks: an atomic `CheckpointIO`, one-line errors for damaged files,
+and the choice of the newest complete checkpoint of a run's folder for the automatic resume.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import pickle
+import shutil
+import time
+import zipfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.fabric.utilities.rank_zero import rank_zero_only
+from torch import Tensor
+
+from dflash_lightning.atomic import fsync_dir
+
+log = logging.getLogger(__name__)
+
+PARTIAL_SUFFIX = ".partial"  # `.{name}.{pid}.partial` beside the final path while a checkpoint is written
+DAMAGED_SUFFIX = ".damaged"  # a damaged checkpoint is renamed so, kept for inspection and never picked again
+REQUIRED_KEYS = ("state_dict", "drafter_config", "global_step")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be written or read; the message is one line that starts with its path."""
+
+
+def _tensors(obj: Any) -> Iterator[Tensor]:
+    if isinstance(obj, Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            yield from _tensors(value)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            yield from _tensors(value)
+
+
+def checkpoint_bytes(checkpoint: dict[str, Any]) -> int:
+    """Bytes of tensor data a checkpoint writes (each storage once): what a save needs on disk, give or take 1%."""
+    seen: dict[int, int] = {}
+    for t in _tensors(checkpoint):
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def nonfinite_weights(state_dict: dict[str, Tensor]) -> dict[str, int]:
+    """Name -> count of NaN/Inf values, for each floating weight that has any (one host sync for all)."""
+    floats = {k: v for k, v in state_dict.items() if isinstance(v, Tensor) and v.is_floating_point() and v.numel()}
+    if not floats:
+        return {}
+    counts = torch.stack([(~torch.isfinite(v.detach())).sum().to("cpu", torch.int64) for v in floats.values()])
+    return {k: int(n) for k, n in zip(floats, counts.tolist(), strict=True) if n}
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB" if n < 2**30 else f"{n / 2**30:,.2f} GiB"
+
+
+def describe_damage(path: Path, err: BaseException) -> str:
+    """What is wrong with a file that torch.load refused, in words (the raw error only as a short detail)."""
+    size = path.stat().st_size if path.exists() else 0
+    text = " ".join(str(err).split())
+    if size == 0:
+        return "empty file (0 bytes)"
+    with path.open("rb") as f:
+        magic = f.read(4)
+    if magic != b"PK\x03\x04":
+        return f"not a PyTorch checkpoint (no zip archive: it starts with {magic!r}; {_size(size)})"
+    if "central directory" in text or isinstance(err, (zipfile.BadZipFile, EOFError)):
+        return f"truncated ({_size(size)}: the zip index at the end of the file is missing)"
+    if isinstance(err, pickle.UnpicklingError) and "weights_only" in text:
+        return "holds objects a checkpoint of this project never has (refused by torch.load(weights_only=True))"
+    return f"unreadable ({type(err).__name__}: {text[:160]})"
+
+
+def load_checkpoint(
+    path: str | Path, map_location: Any = "cpu", weights_only: bool | None = None, mmap: bool = False,
+    required: tuple[str, ...] = REQUIRED_KEYS,
+) -> dict[str, Any]:
+    """A DFlashModule checkpoint, or a `CheckpointError` naming the file and what is wrong in one line."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such checkpoint file")
+    try:
+        ckpt = torch.load(path, map_location=map_location, weights_only=weights_only, mmap=mmap)
+    except Exception as err:  # torch raises RuntimeError, EOFError, UnpicklingError, ... for damaged files
+        raise CheckpointError(f"{path}: {describe_damage(path, err)}") from err
+    if not isinstance(ckpt, dict):
+        raise CheckpointError(f"{path}: not a Lightning checkpoint (holds a {type(ckpt).__name__}, not a dict)")
+    missing = [k for k in required if k not in ckpt]
+    if missing:
+        raise CheckpointError(f"{path}: not a DFlashModule checkpoint (no {', '.join(map(repr, missing))})")
+    return ckpt
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Writes each checkpoint beside its final path, fsyncs and renames it into place; refuses non-finite weights.
+
+    A kill or a full disk during a save leaves the file at the final path as it was (the previous checkpoint), and
+    the error names the path, the bytes needed and the bytes free. Nothing goes through TMPDIR.
+    """
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike, storage_options: Any = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} takes no storage_options")
+        path = Path(path)
+        bad = nonfinite_weights(checkpoint.get("state_dict", {}))
+        if bad:
+            names = ", ".join(f"{k} ({n})" for k, n in list(bad.items())[:4]) + (", ..." if len(bad) > 4 else "")
+            raise CheckpointError(
+                f"{path}: refusing to save non-finite weights (NaN/Inf values in {len(bad)} tensors: {names}); "
+                "the checkpoints already written are kept"
+            )
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}{PARTIAL_SUFFIX}")
+        try:
+            with tmp.open("wb") as f:
+                torch.save(checkpoint, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)  # atomic on one filesystem: readers see the old file or the new one
+            fsync_dir(path.parent)
+        except BaseException as err:
+            written = tmp.stat().st_size if tmp.exists() else 0
+            tmp.unlink(missing_ok=True)
+            os_err = _os_error(err)
+            if os_err is not None:
+                needed = checkpoint_bytes(checkpoint)
+                free = shutil.disk_usage(path.parent).free
+                reason = "disk full" if os_err.errno in (errno.ENOSPC, errno.EDQUOT) else os_err.strerror or str(os_err)
+                raise CheckpointError(
+                    f"{path}: checkpoint not written ({reason}): it needs about {_size(needed)}, "
+                    f"{_size(written)} were written, {_size(free)} are free; the previous checkpoints are intact"
+                ) from err
+            raise
+
+    def load_checkpoint(
+        self, path: str | os.PathLike, map_location: Callable | None = lambda storage, loc: storage,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        # Damage is refused in one line; no key is required: the spawn launchers pass a bare state dict this way.
+        return load_checkpoint(path, map_location, weights_only, required=())
+
+
+def _os_error(err: BaseException | None) -> OSError | None:
+    """The OSError behind an error: torch.save reports a full disk as a RuntimeError raised while handling it."""
+    while err is not None and not isinstance(err, OSError):
+        err = err.__cause__ or err.__context__
+    return err
+
+
+def checkpoint_files(folder: str | Path) -> list[Path]:
+    """The `.ckpt` files of a folder, each file once (a `last.ckpt` link counts as its target)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    seen: dict[Path, Path] = {}
+    for path in sorted(folder.glob("*.ckpt")):
+        if path.name.startswith(".") or (path.is_symlink() and not path.exists()):
+            continue
+        seen.setdefault(path.resolve(), path)
+    return list(seen.values())
+
+
+def _remove_partials(folder: Path) -> None:
+    """Unfinished writes of a killed run: never readable as checkpoints, so they only take space."""
+    for partial in folder.glob(f".*{PARTIAL_SUFFIX}"):
+        log.warning(f"removing {partial}: a checkpoint write that did not finish ({_size(partial.stat().st_size)})")
+        partial.unlink(missing_ok=True)
+
+
+def newest_complete_checkpoint(folder: str | Path) -> Path | None:
+    """The readable DFlashModule checkpoint of `folder` with the highest step (None if none); damaged newer files
+    are renamed `*.damaged` on rank 0 and named in a warning, so the run says what it fell back from."""
+    folder = Path(folder)
+    if rank_zero_only.rank == 0 and folder.is_dir():
+        _remove_partials(folder)
+    found: list[tuple[int, float, Path]] = []
+    damaged: list[tuple[Path, str]] = []
+    for path in checkpoint_files(folder):
+        try:
+            ckpt = load_checkpoint(path, mmap=True)  # mmap: only the pickled header is read, not the tensors
+        except CheckpointError as err:
+            damaged.append((path, str(err)))
+            continue
+        found.append((int(ckpt["global_step"]), path.stat().st_mtime, path))
+    best = max(found, key=lambda f: (f[0], f[1]), default=None)
+    for path, reason in damaged:
+        fallback = f"resuming from {best[2]} (step {best[0]}) instead" if best else "no complete checkpoint is left"
+        log.warning(f"skipping damaged checkpoint {reason}; {fallback}")
+        if rank_zero_only.rank == 0:
+            target = path.with_name(path.name + DAMAGED_SUFFIX)
+            os.replace(path, target)
+            log.warning(f"renamed {path} -> {target} (kept for inspection)")
+    return best[2] if best else None
+
+
+def move_aside(folder: str | Path) -> Path | None:
+    """Moves a folder's checkpoints into `previous-<time>/` (rank 0), so that a fresh run deletes none of them."""
+    folder = Path(folder)
+    files = [p for p in folder.glob("*.ckpt") if not p.name.startswith(".")] if folder.is_dir() else []
+    if not files or rank_zero_only.rank != 0:
+        return None
+    aside = folder / time.strftime("previous-%Y%m%d-%H%M%S")
+    aside.mkdir()
+    for path in files:
+        os.replace(path, aside / path.name)  # a relative last.ckpt link keeps pointing at its moved target
+    log.warning(f"starting fresh (resume: never): moved {len(files)} checkpoint(s) of {folder} to {aside}")
+    return aside
+
+
+__all__ = [
+    "AtomicCheckpointIO", "CheckpointError", "checkpoint_bytes", "checkpoint_files", "load_checkpoint",
+    "move_aside", "newest_complete_checkpoint", "nonfinite_weights",
+]

@@ -1,0 +1,144 @@
+"""Preemption: SIGTERM, SIGUSR1 or SIGINT during `fit` ends the current step on every rank, writes one checkpoint
+of that step through the ModelCheckpoint callback, and exits with 128 + the signal number, which schedulers retry.
+The restarted command resumes (`resume: auto`, done by the CLI) from the newest complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import threading
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.environments import SLURMEnvironment
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+log = logging.getLogger(__name__)
+
+
+def retry_code(signum: int) -> int:
+    """The exit status of a preempted run: what a shell reports for a process ended by that signal (SIGTERM: 143,
+    SIGUSR1: 138, SIGINT: 130), read as "retry" by torchrun, Kubeflow's ExitCode policy and SLURM scripts."""
+    return 128 + int(signum)
+
+
+class Preempted(SystemExit):
+    """Raised on every rank after the preemption checkpoint is complete; its `code` is `retry_code(signal)`."""
+
+
+class Preemption(Callback):
+    """Turns SIGTERM, SIGUSR1 and SIGINT into a checkpoint at the next step boundary and a retry exit status."""
+
+    def __init__(self, signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1", "SIGINT"), requeue: bool = True,
+                 resume: Literal["auto", "never"] = "auto") -> None:
+        """
+        Args:
+            signals: Signals that stop the run at the next step boundary with a checkpoint of that step. The first
+                one received counts; a second SIGINT interrupts at once (the checkpoints already written are kept).
+            requeue: Under SLURM, rank 0 runs `scontrol requeue $SLURM_JOB_ID` after the checkpoint of a SIGUSR1
+                (the `--signal=USR1@120` warning) is written, so the job starts again and resumes.
+            resume: auto: a `fit` without `--ckpt_path` continues from the newest complete checkpoint of the
+                ModelCheckpoint folder (a damaged one is skipped with a warning and renamed `*.damaged`); never:
+                start at step 0, after moving that folder's checkpoints into `previous-<time>/`.
+        """
+        names = {s.name for s in signal.Signals}
+        unknown = [s for s in signals if s not in names]
+        if unknown:
+            raise ValueError(f"preemption.signals: unknown signal name(s) {unknown}")
+        self.signals = tuple(signal.Signals[s] for s in signals)
+        if resume not in ("auto", "never"):
+            raise ValueError(f"preemption.resume must be auto or never, got {resume!r}")
+        self.requeue = requeue
+        self.resume = resume
+        self.received: int = 0  # signal number, 0 while none
+        self._previous: dict[int, Any] = {}
+        self._group: Any = None
+
+    # ------------------------------------------------------------------------------------ handlers
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        # Only a flag here: collectives or file writes inside a signal handler would interleave with the step.
+        if self.received == 0:
+            self.received = signum
+            log.warning(f"received {signal.Signals(signum).name}: finishing the current step, then a checkpoint")
+        if signum == signal.SIGINT:  # a second Ctrl+C interrupts at once
+            signal.signal(signal.SIGINT, self._previous.get(signal.SIGINT, signal.default_int_handler))
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # After Lightning's own handlers (registered just before): ours replace them for the run, and Lightning's
+        # teardown puts back the handlers from before `fit`.
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.signals:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
+            # a host-side group: agreeing on the flag each step never waits for the GPU
+            self._group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        for sig, handler in self._previous.items():
+            if threading.current_thread() is threading.main_thread() and handler is not None:
+                signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _agreed_signal(self) -> int:
+        """The signal any rank received (the largest number if several), the same on every rank."""
+        if self._group is None:
+            return self.received
+        flag = torch.tensor([self.received], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        return int(flag)
+
+    # ------------------------------------------------------------------------------------ the stop
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        signum = self._agreed_signal()
+        if not signum:
+            return
+        self.received = signum
+        name = signal.Signals(signum).name
+        path = self.save(trainer)
+        if self.requeue and signum == signal.SIGUSR1 and SLURMEnvironment.detect() and trainer.is_global_zero:
+            _slurm_requeue()
+        code = retry_code(signum)
+        log.warning(f"{name}: checkpoint of step {trainer.global_step} at {path}; exiting with {code} (retry)")
+        raise Preempted(code)
+
+    def save(self, trainer: Trainer) -> str:
+        """One checkpoint of the step just finished, through the ModelCheckpoint callback (its folder, names and
+        keep-last-K rotation); returns its path."""
+        callbacks = [c for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint)]
+        for cb in callbacks:
+            if cb._last_global_step_saved == trainer.global_step:  # it saved this very step already
+                return cb.last_model_path or cb._last_checkpoint_saved
+        for cb in callbacks:
+            # what ModelCheckpoint does on a step it saves at (Lightning has no public "save now")
+            candidates = cb._monitor_candidates(trainer)
+            if cb.monitor is None or cb.monitor in candidates:
+                cb._save_topk_checkpoint(trainer, candidates)
+            cb._save_last_checkpoint(trainer, candidates)
+            if cb._last_global_step_saved == trainer.global_step:
+                return cb.last_model_path or cb._last_checkpoint_saved
+        folder = callbacks[0].dirpath if callbacks and callbacks[0].dirpath else os.path.join(
+            trainer.default_root_dir, "checkpoints")
+        path = os.path.join(folder, f"preempted-step={trainer.global_step}.ckpt")
+        trainer.save_checkpoint(path)
+        return path
+
+
+def _slurm_requeue() -> None:
+    job = os.environ.get("SLURM_ARRAY_JOB_ID")
+    job = f"{job}_{os.environ['SLURM_ARRAY_TASK_ID']}" if job else os.environ["SLURM_JOB_ID"]
+    result = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
+    if result.returncode == 0:
+        log.warning(f"requeued SLURM job {job}")
+    else:
+        log.error(f"scontrol requeue {job} failed ({result.returncode}): {result.stderr.strip()}")
+
+
+__all__ = ["Preempted", "Preemption", "retry_code"]

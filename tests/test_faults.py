@@ -1,0 +1,376 @@
+"""Fault injection on real runs: signals to `fit`, kills and full disks during saves, NaN features, damaged files."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import yaml
+from conftest import make_target
+from lightning.pytorch import Callback
+from test_cli import CONFIGS, write_conversations
+
+from dflash_lightning.checkpointing import (
+    AtomicCheckpointIO,
+    CheckpointError,
+    load_checkpoint,
+    newest_complete_checkpoint,
+)
+from dflash_lightning.cli import cli_main
+from dflash_lightning.export import export_checkpoint, read_drafter
+from dflash_lightning.module import NonFiniteError
+from dflash_lightning.preemption import Preempted, Preemption
+
+ROOT = Path(__file__).parents[1]
+EVENTS: dict[str, list] = {}  # what the callbacks below saw, per test
+
+
+class StepMarker(Callback):
+    """Appends each finished step to a file (the test's clock) and slows steps so a signal lands mid-run."""
+
+    def __init__(self, path: str, delay: float = 0.0) -> None:
+        self.path, self.delay = path, delay
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        with open(self.path, "a") as f:
+            f.write(f"{trainer.global_step}\n")
+        time.sleep(self.delay)
+
+
+class SendSignal(Callback):
+    """Sends a real signal to this process during the step that starts at `at_step`."""
+
+    def __init__(self, signum: int, at_step: int) -> None:
+        self.signum, self.at_step = signum, at_step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.at_step:
+            os.kill(os.getpid(), self.signum)
+
+
+class Poison(Callback):
+    """Writes NaN into the context features of the batches of `steps`; records the weights and optimizer state
+    around the first poisoned step and the records of its batch."""
+
+    def __init__(self, key: str, steps: list[int]) -> None:
+        self.key, self.steps = key, steps
+
+    def on_train_start(self, trainer, pl_module) -> None:  # poison right where TargetFeatures adds the features
+        target = next(c for c in trainer.callbacks if type(c).__name__ == "TargetFeatures")
+        add_features = target.on_train_batch_start
+
+        def poisoned(trainer, pl_module, batch, batch_idx):
+            add_features(trainer, pl_module, batch, batch_idx)
+            self.poison(trainer, pl_module, batch)
+
+        target.on_train_batch_start = poisoned
+
+    def poison(self, trainer, pl_module, batch) -> None:
+        if trainer.global_step in self.steps:
+            batch["context_features"][0, 0] = float("nan")
+            if trainer.global_step == self.steps[0]:
+                ids = [i for i in batch["sample_ids"].tolist() if i >= 0]
+                EVENTS[self.key] = [_snapshot(pl_module, trainer), trainer.datamodule.train_locations(ids)]
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step - 1 == self.steps[0]:
+            EVENTS[self.key].append(_snapshot(pl_module, trainer))
+
+
+def _snapshot(module, trainer) -> dict[str, torch.Tensor]:
+    state = {f"w.{k}": v.detach().clone() for k, v in module.drafter.named_parameters()}
+    for i, s in enumerate(trainer.optimizers[0].state.values()):
+        state |= {f"opt.{i}.{k}": v.clone() for k, v in s.items()}
+    return state
+
+
+# ------------------------------------------------------------------------------------------- set-up
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("faults")
+    return {"target": make_target(root / "target", layers=4, hidden=32, heads=2, kv_heads=1),
+            "train": write_conversations(root / "train.jsonl", 40),
+            "val": write_conversations(root / "val.jsonl", 8, seed=1)}
+
+
+def fault_config(assets, folder: Path, max_steps: int = 4, callbacks: list[dict] | None = None,
+                 checkpoints: Path | None = None, **checkpoint_args) -> Path:
+    """The tiny config at test size, run in `folder`, checkpoints every 2 steps into `checkpoints`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    config = yaml.safe_load((CONFIGS / "tiny.yaml").read_text())
+    config["target"]["path"] = str(assets["target"])
+    config["data"].update(train_files=[str(assets["train"])], val_files=[str(assets["val"])], token_budget=256,
+                          max_documents=8)
+    config["model"].update(num_anchors=16, metrics_every=1)
+    config["model"]["drafter"].update(num_layers=1, block_size=8)
+    config["trainer"].update(default_root_dir=str(folder), max_steps=max_steps, val_check_interval=1000,
+                             limit_val_batches=1, log_every_n_steps=1, logger=False, enable_progress_bar=False)
+    config["trainer"]["callbacks"] = [c for c in config["trainer"]["callbacks"] if "ModelCheckpoint" in c["class_path"]]
+    config["trainer"]["callbacks"][0]["init_args"].update(
+        dirpath=str(checkpoints or folder / "checkpoints"), every_n_train_steps=2, **checkpoint_args)
+    config["trainer"]["callbacks"] += callbacks or []
+    config["spec_eval"]["prompts"] = None
+    path = folder / "input.yaml"  # not config.yaml, which the CLI writes there
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def fit(config: Path, *extra: str):
+    return cli_main(["fit", "--config", str(config), *extra])
+
+
+def steps_in(folder: Path) -> dict[str, int]:
+    return {p.name: int(load_checkpoint(p)["global_step"]) for p in sorted(folder.glob("*.ckpt"))}
+
+
+# ------------------------------------------------------------------------------------------- 1: preemption
+
+
+def test_sigterm_saves_the_step_exits_143_and_the_same_command_resumes(assets, tmp_path):
+    """A real `fit` process gets SIGTERM mid-run: it checkpoints that step and exits 143; the same command then
+    continues with the next step and ends at max_steps; the keep-2 rotation leaves only complete files."""
+    marker = tmp_path / "steps.txt"
+    config = fault_config(assets, tmp_path / "run", max_steps=10, callbacks=[
+        {"class_path": "test_faults.StepMarker", "init_args": {"path": str(marker), "delay": 0.3}}])
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
+    command = [sys.executable, "-m", "dflash_lightning", "fit", "--config", str(config)]
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 240
+    while not (marker.exists() and len(marker.read_text().split()) >= 3) and time.time() < deadline:
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 143, out
+    done = [int(s) for s in marker.read_text().split()]
+    folder = tmp_path / "run" / "checkpoints"
+    assert max(steps_in(folder).values()) == done[-1]  # the step in flight was finished and saved
+    assert f"checkpoint of step {done[-1]}" in out
+
+    second = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resuming from" in second.stderr
+    steps = [int(s) for s in marker.read_text().split()]
+    assert steps == list(range(1, 11))  # every step once: none repeated, none skipped
+    kept = steps_in(folder)
+    assert kept["last.ckpt"] == 10 and len(kept) == 3, kept  # save_top_k: 2 step files + last
+    assert not list(folder.glob(".*"))  # no unfinished writes left behind
+
+
+@pytest.mark.parametrize("signum", [signal.SIGUSR1, signal.SIGINT])
+def test_sigusr1_and_sigint_save_the_step_and_exit_with_a_retry_code(assets, tmp_path, signum):
+    config = fault_config(assets, tmp_path, max_steps=6, callbacks=[
+        {"class_path": "test_faults.SendSignal", "init_args": {"signum": int(signum), "at_step": 2}}])
+    with pytest.raises(Preempted) as stop:
+        fit(config)
+    assert stop.value.code == 128 + signum
+    assert steps_in(tmp_path / "checkpoints") == {"last.ckpt": 3, "step=2.ckpt": 2, "step=3.ckpt": 3}
+    assert signal.getsignal(signum) in (signal.default_int_handler, signal.SIG_DFL)  # handlers restored
+    if signum == signal.SIGINT:  # starting fresh on purpose keeps the old checkpoints aside
+        cli = fit(config, "--preemption.resume=never", "--trainer.max_steps=1")
+        assert cli.trainer.global_step == 1
+        (aside,) = (tmp_path / "checkpoints").glob("previous-*")
+        assert steps_in(aside) == {"last.ckpt": 3, "step=2.ckpt": 2, "step=3.ckpt": 3}
+
+
+def _agree(rank: int, port: int, out: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    callback = Preemption()
+    callback._group = dist.group.WORLD
+    callback.received = int(signal.SIGTERM) if rank == 1 else 0  # only rank 1 was signalled
+    out[rank] = callback._agreed_signal()
+    dist.destroy_process_group()
+
+
+def test_every_rank_stops_when_one_rank_is_signalled():
+    out = mp.Manager().dict()
+    mp.start_processes(_agree, args=(29541, out), nprocs=2, join=True, start_method="fork")
+    assert dict(out) == {0: int(signal.SIGTERM), 1: int(signal.SIGTERM)}
+
+
+# ------------------------------------------------------------------------------------------- 4: atomic saves
+
+
+@pytest.fixture
+def small_disk(tmp_path, monkeypatch):
+    """A 256 KiB tmpfs (one tiny checkpoint fits, two do not); without mount rights, writes fail past 200 KiB."""
+    folder = tmp_path / "disk"
+    folder.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(folder)],
+                             capture_output=True).returncode == 0
+    if not mounted:  # pragma: no cover - only where tmpfs cannot be mounted
+        real_save = torch.save
+
+        def save(obj, f, *args, **kwargs):
+            used = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
+            if hasattr(f, "write") and str(getattr(f, "name", "")).startswith(str(folder)) and used > 100 * 1024:
+                f.write(b"\0" * 4096)
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return real_save(obj, f, *args, **kwargs)
+
+        monkeypatch.setattr(torch, "save", save)
+    yield folder
+    if mounted:
+        subprocess.run(["umount", str(folder)], check=True)
+
+
+def test_full_disk_during_a_save_keeps_the_previous_checkpoint_and_says_what_was_needed(assets, tmp_path, small_disk):
+    """The only checkpoint, last.ckpt, is rewritten at step 4 on a disk with no room for a second copy."""
+    config = fault_config(assets, tmp_path, max_steps=4, checkpoints=small_disk, save_last=True, save_top_k=0)
+    with pytest.raises(CheckpointError) as err:
+        fit(config)  # last.ckpt at step 2 fits; its replacement at step 4 does not
+    message = str(err.value)
+    assert "\n" not in message and str(small_disk / "last.ckpt") in message
+    assert "disk full" in message and "needs about" in message and "previous checkpoints are intact" in message
+    assert steps_in(small_disk) == {"last.ckpt": 2}  # still whole and readable, nothing half-written beside it
+    assert not list(small_disk.glob(".*"))
+
+
+KILL_SCRIPT = """
+import sys, torch
+from dflash_lightning.checkpointing import AtomicCheckpointIO
+AtomicCheckpointIO().save_checkpoint({"state_dict": {"w": torch.zeros(2**25)}, "global_step": 9,
+                                      "drafter_config": {}}, sys.argv[1])
+"""
+
+
+def test_kill_during_a_write_leaves_the_previous_checkpoint_readable(tmp_path):
+    path = tmp_path / "last.ckpt"
+    AtomicCheckpointIO().save_checkpoint({"state_dict": {"w": torch.ones(4)}, "global_step": 2,
+                                          "drafter_config": {}}, path)
+    before = path.read_bytes()
+    proc = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, str(path)], env={**os.environ, "PYTHONPATH": str(ROOT)})
+    partial = tmp_path / f".last.ckpt.{proc.pid}.partial"
+    deadline = time.time() + 120
+    while not (partial.exists() and partial.stat().st_size > 0) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.002)
+    proc.send_signal(signal.SIGKILL)  # mid-write: 128 MiB take longer than the poll above
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL and partial.exists()
+    assert path.read_bytes() == before
+    assert newest_complete_checkpoint(tmp_path) == path and not partial.exists()  # the leftover is cleaned up
+
+
+# ------------------------------------------------------------------------------------------- 5: non-finite
+
+
+def poison(key: str, steps: list[int]) -> list[dict]:
+    return [{"class_path": "test_faults.Poison", "init_args": {"key": key, "steps": steps}}]
+
+
+def test_nan_features_skip_the_update_and_training_goes_on(assets, tmp_path):
+    config = fault_config(assets, tmp_path, max_steps=5, callbacks=poison("skip", [2]))
+    cli = fit(config)
+    before, _, after = EVENTS["skip"]
+    assert before.keys() == after.keys() and any(k.endswith("exp_avg") for k in before)
+    for name in before:  # weights, moments and step count of the poisoned step: all as they were
+        assert torch.equal(before[name], after[name]), name
+    assert int(cli.trainer.callback_metrics["train/skipped_steps"]) == 1
+    assert cli.trainer.global_step == 5
+    final = load_checkpoint(tmp_path / "checkpoints" / "last.ckpt")
+    assert all(torch.isfinite(v).all() for v in final["state_dict"].values())
+    assert final["global_step"] == 4 and int(final["optimizer_states"][0]["state"][0]["step"]) == 3  # 1 skipped
+
+
+def test_nan_features_under_stop_raise_naming_the_step_and_its_records(assets, tmp_path):
+    config = fault_config(assets, tmp_path, max_steps=6, callbacks=poison("stop", [3]))
+    with pytest.raises(NonFiniteError, match="at step 3") as err:
+        fit(config, "--model.nonfinite=stop", "--model.metrics_every=2")
+    before, records = EVENTS["stop"][:2]
+    assert records and all(r.startswith(f"{assets['train']}:") for r in records)  # file:line of each record
+    assert ", ".join(records) in str(err.value)
+
+
+def test_too_many_nonfinite_steps_in_a_row_stop_the_run(assets, tmp_path):
+    config = fault_config(assets, tmp_path, max_steps=8, callbacks=poison("row", [1, 2, 3, 4]))
+    with pytest.raises(NonFiniteError, match="3 steps in a row, through step 3"):
+        fit(config, "--model.max_nonfinite_in_a_row=3")
+
+
+def test_nonfinite_weights_are_never_saved_nor_exported(tmp_path):
+    ckpt = {"state_dict": {"drafter.fc.weight": torch.tensor([1.0, float("nan")])}, "global_step": 1,
+            "drafter_config": {}}
+    with pytest.raises(CheckpointError, match="refusing to save non-finite weights .*drafter.fc.weight"):
+        AtomicCheckpointIO().save_checkpoint(ckpt, tmp_path / "x.ckpt")
+    assert not list(tmp_path.iterdir())
+
+
+def test_export_refuses_a_checkpoint_with_nonfinite_weights(assets, tmp_path):
+    fit(fault_config(assets, tmp_path, max_steps=2))
+    ckpt = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)
+    ckpt["state_dict"]["drafter.norm.weight"][0] = float("inf")
+    torch.save(ckpt, tmp_path / "bad.ckpt")  # as if written by other code
+    with pytest.raises(CheckpointError, match="non-finite weights .*norm.weight"):
+        export_checkpoint(tmp_path / "bad.ckpt", tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+
+
+# ------------------------------------------------------------------------------------------- 7: damaged files
+
+
+def damage(path: Path, kind: str, folder: Path) -> Path:
+    data = path.read_bytes()
+    out = folder / f"{kind}.ckpt"
+    out.write_bytes({"truncated": data[: len(data) // 2], "empty": b"",
+                     "foreign": json.dumps({"not": "a checkpoint"}).encode()}[kind])
+    return out
+
+
+@pytest.fixture(scope="module")
+def good_checkpoints(assets, tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("good")
+    fit(fault_config(assets, folder, max_steps=4))
+    return folder
+
+
+@pytest.mark.parametrize("kind", ["truncated", "empty", "foreign"])
+def test_damaged_checkpoint_is_refused_in_one_line_by_export_evaluate_and_fit(good_checkpoints, tmp_path, kind):
+    bad = damage(good_checkpoints / "checkpoints" / "step=4.ckpt", kind, tmp_path)
+    expected = {"truncated": "truncated", "empty": "empty file", "foreign": "not a PyTorch checkpoint"}[kind]
+    for load in (lambda: export_checkpoint(bad, tmp_path / "hf"), lambda: read_drafter(bad)):  # export, evaluate
+        with pytest.raises(CheckpointError) as err:
+            load()
+        assert str(err.value).startswith(f"{bad}: {expected}") and "\n" not in str(err.value)
+    if kind == "truncated":  # the Trainer's own loading (fit --ckpt_path, validate) goes through the same check
+        config = good_checkpoints / "input.yaml"
+        for command in ("fit", "validate"):
+            with pytest.raises(CheckpointError, match=f"^{bad}: truncated"):
+                cli_main([command, "--config", str(config), f"--ckpt_path={bad}"])
+        run = subprocess.run([sys.executable, "-m", "dflash_lightning", "export", "--checkpoint", str(bad),
+                              "--out", str(tmp_path / "hf")], capture_output=True, text=True,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)})
+        # The last line is ours; anything before it is import noise of optional packages (torchao's missing kernels).
+        lines = run.stderr.strip().splitlines()
+        assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr[-2000:]
+        assert lines[-1].startswith(f"error: {bad}: {expected}") and sum("error:" in x for x in lines) == 1, lines
+
+
+def test_automatic_resume_falls_back_past_a_damaged_newest_checkpoint(good_checkpoints, tmp_path, caplog):
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    for name in ("step=2.ckpt", "step=4.ckpt", "last.ckpt"):
+        (folder / name).write_bytes((good_checkpoints / "checkpoints" / name).read_bytes())
+    for name in ("step=4.ckpt", "last.ckpt"):  # the two newest: cut short, as by a crash without atomic writes
+        (folder / name).write_bytes((folder / name).read_bytes()[:1000])
+    config = tmp_path / "input.yaml"
+    raw = yaml.safe_load((good_checkpoints / "input.yaml").read_text())
+    raw["trainer"]["callbacks"][0]["init_args"]["dirpath"] = str(folder)
+    raw["trainer"].update(max_steps=5, default_root_dir=str(tmp_path))
+    config.write_text(yaml.safe_dump(raw))
+    cli = fit(config)
+    assert cli.trainer.global_step == 5
+    assert f"resuming from {folder / 'step=2.ckpt'}" in caplog.text and "skipping damaged checkpoint" in caplog.text
+    assert sorted(p.name for p in folder.glob("*.damaged")) == ["last.ckpt.damaged", "step=4.ckpt.damaged"]
