@@ -44,6 +44,12 @@ class DFlashCLI(LightningCLI):
         The module compares the two when it loads the checkpoint and refuses changes to what is trained.
         """
 
+    def before_fit(self) -> None:
+        """Refuse what the device cannot run (FP8 off Hopper-class GPUs) before the target is loaded."""
+        self.model.check_device(self.trainer.strategy.root_device)
+
+    before_validate = before_fit
+
 
 def main(argv: Sequence[str] | None = None, run: bool = True) -> DFlashCLI:
     """`fit` or `validate` (the first of `argv`); `run=False` only parses and instantiates."""
