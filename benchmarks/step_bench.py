@@ -21,6 +21,13 @@ MFU = FLOPs / step seconds / measured bf16 matmul peak.
 Also reported: the compile warm-up (all warm-up steps minus as many steady steps) with a fresh compiler
 cache, and again in a new process that finds the cache; recompiles and host syncs (CUDA sync debug mode)
 over the steady steps, with progress bar and CSV logger on; a kernel profile of three steps by family.
+
+Precision and FP8 (`--precisions`, `--fp8 mode:recipe,...`): each step against `bf16-mixed` in the same run;
+loss curves over the same batches per precision (`--curves`, features that make slots 1..K-1 learnable);
+the co-located pipeline with a bf16 and with an FP8 target at 8192/512 and at the recipe's shape
+(`--recipe-shape`), the FP8 target's feature difference, and the hours of the Qwen3-8B recipe on one 8-GPU
+node from the measured rate (`--mean-tokens`, `--packing-fill`, `--ddp-efficiency`).
+`benchmarks/precision_h200.sh` runs these parts in device calls of at most 10 minutes.
 """
 
 from __future__ import annotations
@@ -282,28 +289,32 @@ def drafter_shape(sliding_layers: int = 0, sliding_window: int = 2048) -> Drafte
 def run_fit(target: Path, compile: bool, mode: str | None, warmup: int, measured: int, features: Callback,
             logs: Path, token_budget: int = 8192, anchors: int = 512, profile_steps: int = 0,
             drafter: DrafterConfig | None = None, doc_tokens: tuple[int, int] = (300, 3000),
-            objective: str = "ce", loss_weights: str = "decay") -> dict:
+            objective: str = "ce", loss_weights: str = "decay",
+            precision: str = "bf16-true", fp8: str = "none", fp8_recipe: str = "rowwise",
+            data: LightningDataModule | None = None, extra: list[Callback] = ()) -> dict:
     """One Trainer.fit (progress bar and CSV logger on, as users run it); timings, memory, recompiles, syncs."""
     from lightning.pytorch.loggers import CSVLogger
 
     torch._dynamo.reset()
+    torch.manual_seed(0)  # the same initial drafter for every precision
     module = DFlashModule(
         str(target), drafter or drafter_shape(),
         token_budget=token_budget, num_anchors=anchors, compile=compile, compile_mode=mode, metrics_every=8,
-        objective=objective, loss_weights=loss_weights,
+        objective=objective, loss_weights=loss_weights, fp8=fp8, fp8_recipe=fp8_recipe,
     )
     timer = StepTimer(warmup, measured, profile_steps)
-    data = RandomData(token_budget, steps=warmup + measured + profile_steps + 1, doc_tokens=doc_tokens)
+    data = data or RandomData(token_budget, steps=warmup + measured + profile_steps + 1, doc_tokens=doc_tokens)
     trainer = Trainer(
-        accelerator="gpu", devices=1, precision="bf16-true", max_steps=warmup + measured + profile_steps,
+        accelerator="gpu", devices=1, precision=precision, max_steps=warmup + measured + profile_steps,
         logger=CSVLogger(logs), enable_checkpointing=False, gradient_clip_val=1.0, enable_model_summary=False,
-        callbacks=[features, timer], log_every_n_steps=8,
+        callbacks=[features, timer, *extra], log_every_n_steps=8,
     )
     trainer.fit(module, datamodule=data)
     flops = step_flops(module, data.batches[0])
     N = anchors * module.drafter_config.block_size
     return {
         "compile": compile, "mode": mode, "objective": objective, "loss_weights": loss_weights,
+        "precision": precision, "fp8": fp8, **({"fp8_recipe": fp8_recipe} if fp8 != "none" else {}),
         "first_step_s": timer.first, "warmup_steps": warmup,
         "warmup_s": timer.warmup_s, "compile_s": timer.warmup_s - warmup * timer.steady, "step_s": timer.steady,
         "draft_tokens_per_s": N / timer.steady, "context_tokens_per_s": token_budget / timer.steady,
@@ -338,6 +349,82 @@ def target_rate(extractor: FeatureExtractor, token_budget: int, iters: int = 10,
     return token_budget * iters / (time.perf_counter() - t)
 
 
+class ShiftedTokenFeatures(Callback):
+    """A learnable stand-in for the target: features at t hold the embeddings of tokens t+1..t+K (loss curves).
+
+    Random tokens alone leave nothing to learn; with these, slots 1..K-1 become predictable from the context.
+    """
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        ids, embed = batch["input_ids"], pl_module.drafter.embed_weight
+        k = pl_module.drafter_config.num_context_layers
+        scale = 1.0 / embed.float().std().item() if batch_idx == 0 else self.scale  # features of unit scale
+        self.scale = scale
+        batch["context_features"] = torch.cat([embed[ids.roll(-j)] for j in range(1, k + 1)], dim=-1) * scale
+
+
+class LossCurve(Callback):
+    """Every step's training loss, kept on the device until the fit ends (no host sync per step)."""
+
+    def __init__(self) -> None:
+        self.losses: list[torch.Tensor] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(outputs["loss"].detach().float())
+
+    def values(self) -> list[float]:
+        return torch.stack(self.losses).cpu().tolist()
+
+
+def curve_difference(curve: list[float], reference: list[float], tail: int = 50) -> dict:
+    """Relative difference of a loss curve against a reference curve over the same batches."""
+    a, b = torch.tensor(curve), torch.tensor(reference)
+    rel = (a - b).abs() / b.abs()
+    return {"mean_rel_diff": rel.mean().item(), "max_rel_diff": rel.max().item(),
+            "mean_rel_diff_last": rel[-tail:].mean().item(), "final_loss": a[-tail:].mean().item(),
+            "reference_final_loss": b[-tail:].mean().item()}
+
+
+def feature_difference(fp8: torch.Tensor, reference: torch.Tensor, layers: int) -> list[float]:
+    """||fp8 - bf16|| / ||bf16|| of each target layer's feature block  # [K]"""
+    a, b = fp8.float().chunk(layers, dim=-1), reference.float().chunk(layers, dim=-1)
+    return [((x - y).norm() / y.norm()).item() for x, y in zip(a, b, strict=True)]
+
+
+def tiny_feature_difference(folder: Path, budget: int = 1024) -> dict:
+    """FP8 vs bf16 features of the embedded tiny target (trained weights) on its own training conversations."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    ids, pos = [], []
+    lines = (Path(folder).parents[0] / "data" / "train.jsonl").read_text().splitlines()
+    for line in lines:
+        row = tok.apply_chat_template(json.loads(line)["messages"], tokenize=True)
+        row = list(row["input_ids"] if hasattr(row, "keys") else row)  # a BatchEncoding in transformers 5
+        if sum(map(len, ids)) + len(row) > budget:
+            break
+        ids.append(row)
+        pos.append(list(range(len(row))))
+    input_ids = torch.tensor(sum(ids, []), device="cuda")
+    position_ids = torch.tensor(sum(pos, []), device="cuda")
+    layer_ids = DFlashModule(str(folder)).drafter_config.target_layer_ids
+    extractor = FeatureExtractor.from_pretrained(str(folder), layer_ids, torch.bfloat16, "cuda")
+    reference = extractor(input_ids, position_ids)
+    features = extractor.quantize_fp8()(input_ids, position_ids)
+    return {"rel_diff_per_layer": feature_difference(features, reference, len(layer_ids)), "layers": layer_ids,
+            "tokens": int(input_ids.numel()), "weights": "the embedded tiny target (trained)"}
+
+
+def projection(tokens_per_s: float, gpus: int, efficiency: float, conversations: float, epochs: int,
+               mean_tokens: float, fill: float) -> dict:
+    """Hours to train a recipe on one node from the one-GPU rate (context tokens/s, pads included)."""
+    real = tokens_per_s * fill * gpus * efficiency  # real tokens per second over the node
+    hours = conversations * epochs * mean_tokens / real / 3600
+    return {"gpus": gpus, "scaling_efficiency": efficiency, "conversations": conversations, "epochs": epochs,
+            "mean_conversation_tokens": mean_tokens, "packing_fill": fill, "one_gpu_tokens_per_s": tokens_per_s,
+            "node_real_tokens_per_s": real, "samples_per_s": real / mean_tokens, "hours": hours}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None)
@@ -345,7 +432,20 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=16)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--pipeline-steps", type=int, default=200, help="measured steps of the co-located pipeline")
-    parser.add_argument("--skip", default="", help="comma list of parts to skip: eager,pipeline,warm")
+    parser.add_argument("--skip", default="",
+                        help="comma list of parts to skip: step,eager,pipeline,pipeline_fit,warm,profile,curves,"
+                             "tiny_features")
+    # Precision and FP8 (issues 14 and 17): each measured against bf16 in the same run.
+    parser.add_argument("--precisions", default="bf16-true,bf16-mixed", help="drafter step precisions (compiled)")
+    parser.add_argument("--fp8", default="head:rowwise,all:rowwise,all:tensorwise",
+                        help="comma list of model.fp8:model.fp8_recipe measured under bf16-mixed")
+    parser.add_argument("--curves", default="bf16-true,bf16-mixed,head:rowwise,all:rowwise",
+                        help="loss curves on the same batches: precisions, or FP8 modes under bf16-mixed")
+    parser.add_argument("--curve-steps", type=int, default=200, help="steps of each loss curve")
+    parser.add_argument("--recipe-shape", default="3072,512", help="token budget,anchors of configs/qwen3-8b.yaml")
+    parser.add_argument("--mean-tokens", type=float, default=1000, help="mean conversation length (projection)")
+    parser.add_argument("--packing-fill", type=float, default=0.95, help="real tokens per budget token (projection)")
+    parser.add_argument("--ddp-efficiency", type=float, default=0.95, help="measured 2-GPU ddp scaling (projection)")
     parser.add_argument("--token-budget", type=int, default=8192, help="tokens per packed row T")
     parser.add_argument("--anchors", type=int, default=512, help="anchors (blocks) per step A")
     parser.add_argument("--sliding-layers", type=int, default=0, help="drafter layers (of 5, first) that slide")
@@ -356,7 +456,7 @@ def main() -> None:
     parser.add_argument("--loss-weights", default="decay", choices=["decay", "dpace"], help="model.loss_weights")
     parser.add_argument("--probe-target", type=Path, default=None, help=argparse.SUPPRESS)  # warm-cache child
     args = parser.parse_args()
-    recipe = {"objective": args.objective, "loss_weights": args.loss_weights}
+    recipe_kw = {"objective": args.objective, "loss_weights": args.loss_weights}
     torch.set_float32_matmul_precision("high")
     skip = set(args.skip.split(","))
     doc_tokens = tuple(int(n) for n in args.doc_tokens.split(","))
@@ -369,17 +469,23 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as logs:
             mode = None if args.modes == "default" else args.modes
             run = run_fit(args.probe_target, True, mode, args.warmup, 10, RandomFeatures(), Path(logs), **shape,
-                          **recipe)
+                          **recipe_kw)
         print(json.dumps({k: run[k] for k in ("first_step_s", "warmup_s", "compile_s", "step_s")}))
         return
     # A fresh compiler cache unless one is given: the first compiled mode is measured cold.
     cache = os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="inductor-"))
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-              "inductor_cache": cache, "cpu_count": os.cpu_count(),
+              "inductor_cache": cache, "cpu_count": os.cpu_count(), "argv": sys.argv[1:],
               "shape": {"token_budget": args.token_budget, "anchors": args.anchors, "block": 16, "layers": 5,
                         "layer_types": shape["drafter"].layer_types, "sliding_window": shape["drafter"].sliding_window,
                         "doc_tokens": list(doc_tokens), "target_attention": args.target_attention, **QWEN3_8B},
-              **recipe}
+              **recipe_kw}
+    try:
+        import torchao
+
+        result["torchao"] = torchao.__version__
+    except ImportError:
+        result["torchao"] = None
     peak = matmul_peak()
     result["bf16_matmul_peak_tflops"] = peak / 1e12
     out = Path(os.environ["OUT"], "bench.json") if os.environ.get("OUT") else None
@@ -390,28 +496,69 @@ def main() -> None:
         if out:  # partial results survive a time limit
             out.write_text(json.dumps(result, indent=2) + "\n")
 
+    def attempt(fn, *a, **kw) -> dict:
+        """A configuration that fails is reported, not fatal."""
+        try:
+            return fn(*a, **kw)
+        except Exception as err:
+            import traceback
+
+            return {"error": f"{type(err).__name__}: {err}"[:2000], "trace": traceback.format_exc()[-3000:]}
+
     with tempfile.TemporaryDirectory() as tmp:
         target = write_target(Path(tmp) / "target")
         logs = Path(tmp) / "logs"
         runs = {}
-        for i, mode in enumerate(args.modes.split(",")):
-            name = f"compiled[{mode}]"
-            try:
-                runs[name] = run_fit(target, True, None if mode == "default" else mode, args.warmup, args.steps,
-                                     RandomFeatures(), logs, profile_steps=3 if i == 0 else 0, **shape, **recipe)
+        # Compiled drafter step: each compile mode (bf16-true), then each precision and FP8 mode (default mode).
+        configs = [(m, "bf16-true", "none", "rowwise") for m in args.modes.split(",") if m]
+        configs += [("default", p, "none", "rowwise") for p in args.precisions.split(",") if p and p != "bf16-true"]
+        configs += [("default", "bf16-mixed", *f.split(":")) for f in args.fp8.split(",") if f]
+        for i, (mode, precision, fp8, recipe) in enumerate(configs if "step" not in skip else []):
+            name = f"compiled[{mode}]" + (f"[{precision}]" if precision != "bf16-true" else "")
+            name += f"[fp8={fp8},{recipe}]" if fp8 != "none" else ""
+            profile = 3 if (i == 0 or fp8 != "none") and "profile" not in skip else 0
+            runs[name] = attempt(run_fit, target, True, None if mode == "default" else mode, args.warmup, args.steps,
+                                 RandomFeatures(), logs, profile_steps=profile, precision=precision, fp8=fp8,
+                                 fp8_recipe=recipe, **shape, **recipe_kw)
+            if "tflops" in runs[name]:
                 runs[name]["mfu"] = runs[name]["tflops"] * 1e12 / peak
-            except Exception as err:  # a mode that fails is reported, not fatal
-                runs[name] = {"error": f"{type(err).__name__}: {err}"[:2000]}
             if i == 0:
                 runs[name]["compile_breakdown_s"] = compile_breakdown()
                 if "warm" not in skip:
                     runs[name]["warm_cache"] = warm_cache_probe(target, mode, args.warmup, shape_args)
             report("drafter_step", runs)
         if "eager" not in skip:
-            runs["eager"] = run_fit(target, False, None, 3, 10, RandomFeatures(), logs, **shape, **recipe)
+            runs["eager"] = run_fit(target, False, None, 3, 10, RandomFeatures(), logs, **shape, **recipe_kw)
             runs["eager"]["mfu"] = runs["eager"]["tflops"] * 1e12 / peak
             report("drafter_step", runs)
-        best = min((r for r in runs.values() if "step_s" in r and r["compile"]), key=lambda r: r["step_s"])
+        ok = [r for r in runs.values() if "step_s" in r and r["compile"]]
+        mixed = [r for r in ok if r["precision"] == "bf16-mixed" and r["fp8"] == "none"]
+        if mixed:
+            base = mixed[0]["step_s"]
+            report("speedup_vs_bf16_mixed", {n: base / r["step_s"] for n, r in runs.items() if "step_s" in r})
+        fp8_runs = [r for r in ok if r["fp8"] != "none"]
+        best_fp8 = min(fp8_runs, key=lambda r: r["step_s"]) if fp8_runs else None
+
+        if "tiny_features" not in skip:
+            tiny = Path(__file__).resolve().parents[1] / "dflash_lightning/assets/tiny/target"
+            report("fp8_target_feature_difference_tiny", attempt(tiny_feature_difference, tiny))
+        if args.curve_steps and "curves" not in skip:
+            # The same batches and anchors (seeded) in every mode: the curves differ by precision alone.
+            curves, data = {}, lambda: RandomData(8192, pool=32, steps=args.curve_steps + 1)
+            modes = [("bf16-mixed", *c.split(":")) if ":" in c else (c, "none", "rowwise")
+                     for c in args.curves.split(",")]
+            for precision, fp8, recipe in modes:
+                curve = LossCurve()
+                name = f"{precision}" + (f"[fp8={fp8},{recipe}]" if fp8 != "none" else "")
+                run = attempt(run_fit, target, True, None, 8, args.curve_steps - 8, ShiftedTokenFeatures(), logs,
+                              precision=precision, fp8=fp8, fp8_recipe=recipe, data=data(), extra=[curve])
+                curves[name] = run if "error" in run else {"loss": curve.values()}
+            ref = curves.get("bf16-mixed", {}).get("loss")
+            summary = {n: curve_difference(c["loss"], ref) for n, c in curves.items() if ref and "loss" in c}
+            report("loss_curves", {"steps": args.curve_steps, "vs_bf16_mixed": summary,
+                                   "curves_every_5": {n: c.get("loss", c)[::5] if "loss" in c else c
+                                                      for n, c in curves.items()}})
+
         if "pipeline" not in skip:
             from transformers import AutoModel, Qwen3Config
 
@@ -422,20 +569,51 @@ def main() -> None:
             with torch.device("cuda"):
                 model = AutoModel.from_config(cfg, dtype=torch.bfloat16, attn_implementation=attention)
             extractor = FeatureExtractor(model, [1, 9, 17, 25, 33], 36, final_hidden=distills).cuda()
-            t_rate = target_rate(extractor, args.token_budget, doc_tokens=doc_tokens)
-            callback = TargetFeatures(str(target))
-            callback.extractor = extractor
-            pipe = run_fit(target, True, best["mode"], args.warmup, args.pipeline_steps, callback, logs, **shape,
-                           **recipe)
-            d_rate = best["context_tokens_per_s"]
-            bound = 1 / (1 / t_rate + 1 / d_rate)
-            report("colocated_pipeline", {
-                "target_tokens_per_s": t_rate, "drafter_tokens_per_s": d_rate, "bound_tokens_per_s": bound,
-                "pipeline_tokens_per_s": pipe["context_tokens_per_s"],
-                "fraction_of_bound": pipe["context_tokens_per_s"] / bound, "peak_gb": pipe["peak_gb"],
-                "recompiles_after_warmup": pipe["recompiles_after_warmup"], "host_syncs": pipe["host_syncs"],
-                "steps": args.warmup + args.pipeline_steps, "mode": best["mode"],
-            })
+            recipe_budget, recipe_anchors = (int(v) for v in args.recipe_shape.split(","))
+            shapes = [(8192, 512), (recipe_budget, recipe_anchors)]
+            drafter_modes = [("bf16", "none", "rowwise")]
+            if best_fp8 and "pipeline_fit" not in skip:
+                drafter_modes.append(("fp8", best_fp8["fp8"], best_fp8["fp8_recipe"]))
+            sample = {k: v.cuda() for k, v in random_batch(8192, 64, 0).items()}
+            pipelines, reference = {}, extractor(sample["input_ids"], sample["position_ids"])
+
+            def pipeline(budget: int, anchors: int, fp8: str, recipe: str) -> dict:
+                t_rate = target_rate(extractor, budget, doc_tokens=doc_tokens)
+                if "pipeline_fit" in skip:  # the target's rate alone
+                    return {"token_budget": budget, "target_tokens_per_s": t_rate}
+                callback = TargetFeatures(str(target))
+                callback.extractor = extractor
+                steps = args.warmup + args.pipeline_steps + 1
+                pipe = run_fit(target, True, None, args.warmup, args.pipeline_steps, callback, logs,
+                               **{**shape, "token_budget": budget, "anchors": anchors}, **recipe_kw,
+                               precision="bf16-mixed", fp8=fp8, fp8_recipe=recipe,
+                               data=RandomData(budget, steps=steps, doc_tokens=doc_tokens))
+                return {"token_budget": budget, "anchors": anchors, "drafter_fp8": fp8, "target_tokens_per_s": t_rate,
+                        "pipeline_tokens_per_s": pipe["context_tokens_per_s"], "step_s": pipe["step_s"],
+                        "peak_gb": pipe["peak_gb"], "recompiles_after_warmup": pipe["recompiles_after_warmup"],
+                        "host_syncs": pipe["host_syncs"], "steps": args.warmup + args.pipeline_steps}
+
+            for target_kind in ("bf16", "fp8"):
+                if target_kind == "fp8":
+                    extractor.quantize_fp8()
+                    features = extractor(sample["input_ids"], sample["position_ids"])
+                    report("fp8_target_feature_difference", {
+                        "rel_diff_per_layer": feature_difference(features, reference, 5), "layers": [1, 9, 17, 25, 33],
+                        "weights": "random (Qwen3-8B shape)"})
+                for budget, anchors in shapes:
+                    for kind, fp8, recipe in drafter_modes:
+                        if "pipeline_fit" not in skip and (target_kind == "fp8") != (kind == "fp8"):
+                            continue  # bf16 drafter with bf16 target; FP8 drafter with FP8 target
+                        name = f"{budget}/{anchors}[target={target_kind},drafter={kind}]"
+                        pipelines[name] = attempt(pipeline, budget, anchors, fp8, recipe)
+                        report("colocated_pipeline", pipelines)
+            for kind in ("bf16", "fp8"):
+                row = pipelines.get(f"{recipe_budget}/{recipe_anchors}[target={kind},drafter={kind}]", {})
+                if "pipeline_tokens_per_s" in row:
+                    result.setdefault("projection_8xh200", {})[kind] = projection(
+                        row["pipeline_tokens_per_s"], 8, args.ddp_efficiency, 800e3, 6, args.mean_tokens,
+                        args.packing_fill)
+            report("projection_8xh200", result.get("projection_8xh200"))
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:

@@ -1,7 +1,8 @@
 """The training objective through the frozen target head, in chunks (DFLASH.md sections 4, 4b, 4c and 8).
 
 The head is frozen, so only the gradient with respect to the drafter's hidden states is needed: it is
-computed chunk by chunk in the forward pass, and no `[A*B, vocab]` fp32 tensor ever exists whole.
+computed chunk by chunk in the forward pass, and no `[A*B, vocab]` fp32 tensor ever exists whole. The
+head's matmuls can run in FP8 with the head pre-quantized once (`dflash_lightning.fp8.quantize_frozen`).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from dflash_lightning.blocks import dpace_weights
@@ -49,11 +51,14 @@ class LossSettings:
 
 
 class _HeadLoss(torch.autograd.Function):
-    """sum(w * objective) over rows of `hidden @ head.T`, with its hidden-state gradient made in the forward pass."""
+    """sum(w * objective) over rows of `hidden @ head.T`, with its hidden-state gradient made in the forward pass.
+
+    `head_t` is `head.T` as a weight of `F.linear` (the transposed view, or its own FP8 quantization).
+    """
 
     @staticmethod
     def forward(
-        ctx, hidden: Tensor, head: Tensor, labels: Tensor, weights: Tensor, teacher: Tensor | None,
+        ctx, hidden: Tensor, head: Tensor, head_t: Tensor, labels: Tensor, weights: Tensor, teacher: Tensor | None,
         teacher_rows: Tensor | None, block_size: int, chunk: int, topk: int, settings: LossSettings,
     ):
         n = hidden.shape[0]
@@ -68,8 +73,8 @@ class _HeadLoss(torch.autograd.Function):
         rows = max(1, chunk // block_size) * block_size  # whole blocks: D-PACE needs every slot of a block
         for start in range(0, n, rows):
             end = min(start + rows, n)
-            h, y = hidden[start:end], labels[start:end, None]
-            logits = (h @ head.T).to(acc)  # [rows, V]
+            h, y = hidden[start:end].to(head.dtype), labels[start:end, None]
+            logits = F.linear(h, head).to(acc)  # [rows, V]
             lse = torch.logsumexp(logits, dim=-1, keepdim=True)
             ce = (lse - logits.gather(1, y))[:, 0]  # [rows]
             if settings.loss_weights == "dpace":
@@ -87,7 +92,7 @@ class _HeadLoss(torch.autograd.Function):
                 d_logits = probs.clone() if settings.distills else probs  # distillation reads probs again
                 d_logits.scatter_add_(1, y, -torch.ones_like(probs[:, :1]))  # softmax - onehot
             if settings.distills:
-                t_logits = (teacher[teacher_rows[start:end]] @ head.T).to(acc) / tau  # [rows, V]
+                t_logits = F.linear(teacher[teacher_rows[start:end]].to(head.dtype), head).to(acc) / tau  # [rows, V]
                 log_p = t_logits - torch.logsumexp(t_logits, dim=-1, keepdim=True)
                 if tau == 1.0:
                     log_q, q = logits - lse, probs
@@ -101,7 +106,7 @@ class _HeadLoss(torch.autograd.Function):
                 d_kl = tau * (q - p)
                 d_logits = d_kl if d_logits is None else d_logits + d_kl
             total = total + (row_loss * w).sum()
-            grad[start:end] = ((d_logits * w[:, None]).to(head.dtype) @ head).to(grad.dtype)
+            grad[start:end] = F.linear((d_logits * w[:, None]).to(head.dtype), head_t).to(grad.dtype)
         ctx.save_for_backward(grad)
         top_ids = torch.cat(top) if topk else labels.new_empty(n, 0)
         ctx.mark_non_differentiable(ce_total, used, top_ids)
@@ -110,28 +115,31 @@ class _HeadLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss: Tensor, _grad_ce: Tensor, _grad_used: Tensor, _grad_top: Tensor):
         (grad,) = ctx.saved_tensors
-        return grad * grad_loss.to(grad.dtype), None, None, None, None, None, None, None, None, None
+        return grad * grad_loss.to(grad.dtype), None, None, None, None, None, None, None, None, None, None
 
 
 def chunked_head_loss(
     hidden: Tensor, head: Tensor, labels: Tensor, weights: Tensor, chunk: int = 4096, topk: int = 0,
     block_size: int = 1, settings: LossSettings = LossSettings(),  # noqa: B008 (frozen)
-    teacher: Tensor | None = None, teacher_rows: Tensor | None = None,
+    teacher: Tensor | None = None, teacher_rows: Tensor | None = None, head_t: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """sum(w * objective), sum(w * CE), the weights `[N]` and top-k ids `[N, k]` over rows `hidden [N, H]`.
 
     Rows are blocks of `block_size` slots. `weights` are the decay weights, or for D-PACE any weights whose
     non-zeros mark the supervised slots. With distillation, teacher row i is `teacher[teacher_rows[i]]`
-    (the target's final hidden states). The caller divides the sums by the (global) weight sum.
+    (the target's final hidden states). The caller divides the sums by the (global) weight sum. An FP8 head
+    comes as `head` and `head_t`, the quantized `[V, H]` head and its quantized transpose.
     """
     if settings.distills and (teacher is None or teacher_rows is None):
         raise ValueError(f"objective '{settings.objective}' needs the target's final hidden states (teacher)")
     if hidden.shape[0] % block_size:
         raise ValueError(f"{hidden.shape[0]} rows are not whole blocks of {block_size}")
-    head = head.to(hidden.dtype)
+    if head_t is None:
+        head = head.to(hidden.dtype)
+        head_t = head.T
     teacher = teacher.to(hidden.dtype) if settings.distills else None
     total, ce, used, top = _HeadLoss.apply(
-        hidden, head, labels, weights, teacher, teacher_rows if settings.distills else None, block_size, chunk,
+        hidden, head, head_t, labels, weights, teacher, teacher_rows if settings.distills else None, block_size, chunk,
         topk, settings,
     )
     return total, ce, used, (top if topk else None)

@@ -20,7 +20,7 @@ from dflash_lightning.loss import LossSettings, chunked_head_loss, rank_mean_wei
 
 
 class RMSNorm(nn.Module):
-    """Qwen3's RMSNorm: normalise in fp32, scale in the input dtype."""
+    """Qwen3's RMSNorm: normalise in fp32, scale in the input dtype (fp32 master weights stay out of bf16 compute)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -31,7 +31,7 @@ class RMSNorm(nn.Module):
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return self.weight.to(dtype) * x.to(dtype)
 
 
 class RotaryEmbedding(nn.Module):
@@ -212,6 +212,7 @@ class DFlashDrafter(nn.Module):
         # The target's embedding and head rows, frozen and never saved: set by `set_target_io`.
         self.register_buffer("embed_weight", None, persistent=False)
         self.register_buffer("head_weight", None, persistent=False)
+        self.head_fp8: tuple[Tensor, Tensor] | None = None  # the head and its transpose in FP8 (`use_fp8_head`)
         self.head_chunk_size = 4096
         self.loss_settings = LossSettings()
         self.head_loss = chunked_head_loss
@@ -225,6 +226,8 @@ class DFlashDrafter(nn.Module):
         """
         for layer in self.layers:
             layer.compile(mode=mode, dynamic=False)
+        if type(self.fc) is not nn.Linear:  # torchao's float8 linear: its casts fuse only when compiled
+            self.fc.compile(mode=mode, dynamic=False)
         self.head_loss = torch.compile(chunked_head_loss, mode=mode, dynamic=False)
 
     def reset_parameters(self, std: float = 0.02) -> None:
@@ -246,13 +249,27 @@ class DFlashDrafter(nn.Module):
         self.embed_weight = embed_weight.detach()
         self.head_weight = head_weight.detach()
 
+    def use_fp8_head(self, recipe: str = "rowwise") -> None:
+        """Run the training loss's head matmuls in FP8: the frozen head is quantized once, here."""
+        from dflash_lightning.fp8 import quantize_frozen
+
+        head = self.head_weight
+        self.head_fp8 = (quantize_frozen(head, recipe), quantize_frozen(head.T.contiguous(), recipe))
+
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype activations run in: autocast's (bf16 compute over fp32 master weights), else the weights'."""
+        device = self.fc.weight.device.type
+        if torch.is_autocast_enabled(device):
+            return torch.get_autocast_dtype(device)
+        return self.fc.weight.dtype
+
     def context(self, features: Tensor) -> Tensor:
         """Context vectors `c` from concatenated target features `[T, K*H]`.  # [T, H]"""
-        return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+        return self.hidden_norm(self.fc(features.to(self.compute_dtype())))
 
     def embed(self, ids: Tensor) -> Tensor:
-        """Target embedding of token ids, in the drafter's dtype."""
-        return F.embedding(ids, self.embed_weight).to(self.fc.weight.dtype)
+        """Target embedding of token ids, in the compute dtype."""
+        return F.embedding(ids, self.embed_weight).to(self.compute_dtype())
 
     def block_hidden(
         self, features: Tensor, input_ids: Tensor, position_ids: Tensor, doc_ids: Tensor,
@@ -286,9 +303,10 @@ class DFlashDrafter(nn.Module):
         hidden = self.block_hidden(features, input_ids, position_ids, doc_ids, anchors, anchor_valid)
         labels, weights = block_labels(input_ids, loss_mask, doc_ids, anchors, anchor_valid, slot_weights)
         teacher_rows = teacher_positions(anchors, B, input_ids.numel()).flatten() if settings.distills else None
+        head, head_t = self.head_fp8 or (self.head_weight, None)
         total, ce, used, top = self.head_loss(
-            hidden.flatten(0, 1), self.head_weight, labels.flatten(), weights.flatten(), self.head_chunk_size, topk,
-            B, settings, final_hidden, teacher_rows,
+            hidden.flatten(0, 1), head, labels.flatten(), weights.flatten(), self.head_chunk_size, topk,
+            B, settings, final_hidden, teacher_rows, head_t,
         )
         denominator = rank_mean_weight(used).clamp_min(1e-12)
         return DraftOutput(

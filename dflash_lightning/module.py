@@ -15,12 +15,14 @@ from typing import Any, Literal
 
 import torch
 from lightning.pytorch import LightningModule
+from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
 
 from dflash_lightning import resume
 from dflash_lightning.blocks import anchor_seed, base_slot_weights, select_anchors
 from dflash_lightning.config import ConfigError, DrafterConfig
+from dflash_lightning.fp8 import convert_linears, require_fp8
 from dflash_lightning.loss import LossSettings
 from dflash_lightning.metrics import DraftMetrics
 from dflash_lightning.model import DFlashDrafter, DraftOutput
@@ -36,17 +38,20 @@ class NonFiniteError(RuntimeError):
 class StepBuffers(nn.Module):
     """Persistent fixed-shape inputs of the training step (static addresses for CUDA graphs)."""
 
-    def __init__(self, token_budget: int, feature_dim: int, slot_weights: Tensor, final_dim: int = 0) -> None:
+    def __init__(
+        self, token_budget: int, feature_dim: int, slot_weights: Tensor, final_dim: int = 0,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
         t = token_budget
         self.register_buffer("input_ids", torch.zeros(t, dtype=torch.long), persistent=False)
         self.register_buffer("position_ids", torch.zeros(t, dtype=torch.long), persistent=False)
         self.register_buffer("doc_ids", torch.full((t,), -1, dtype=torch.int32), persistent=False)
         self.register_buffer("loss_mask", torch.zeros(t, dtype=torch.bool), persistent=False)
-        self.register_buffer("features", torch.zeros(t, feature_dim), persistent=False)  # [T, K*H]
+        self.register_buffer("features", torch.zeros(t, feature_dim, dtype=dtype), persistent=False)  # [T, K*H]
         self.register_buffer("slot_weights", slot_weights, persistent=False)  # [B]
         # The target's final normed hidden states, the teacher of distillation; absent for plain CE.
-        final = torch.zeros(t, final_dim) if final_dim else None  # [T, H]
+        final = torch.zeros(t, final_dim, dtype=dtype) if final_dim else None  # [T, H]
         self.register_buffer("final_hidden", final, persistent=False)
 
     def load(self, batch: dict[str, Tensor]) -> None:
@@ -86,6 +91,8 @@ class DFlashModule(LightningModule):
         temperature: float = 1.0,
         nonfinite: Literal["skip", "stop"] = "skip",
         max_nonfinite_in_a_row: int = 16,
+        fp8: Literal["none", "head", "all"] = "none",
+        fp8_recipe: Literal["rowwise", "tensorwise"] = "rowwise",
     ) -> None:
         """
         Args:
@@ -119,6 +126,9 @@ class DFlashModule(LightningModule):
                 steps) and go on; stop: skip every update from then on and raise, naming the step and the batch's
                 source records, at the next metrics read.
             max_nonfinite_in_a_row: Under `skip`, raise once this many steps in a row were skipped.
+            fp8: FP8 matmuls on Hopper GPUs (torchao): `head` runs the frozen head's logits and hidden-state
+                gradient in FP8, `all` also trains the drafter's linear layers in FP8 (over the same master weights).
+            fp8_recipe: FP8 scaling, per row or per tensor (torchao's recipe names).
 
         Anchors are drawn from a seed of each batch's place in the data stream (`batch["anchor_seed"]`, from
         `DFlashDataModule`), so a resumed run draws the same anchors as an uninterrupted one.
@@ -163,20 +173,42 @@ class DFlashModule(LightningModule):
         if self.drafter is not None:  # Lightning may call this more than once
             return
         cfg, hp = self.drafter_config, self.hparams
+        if hp.fp8 != "none":
+            self.check_device(self._trainer.strategy.root_device if self._trainer is not None else self.device)
         self.drafter = DFlashDrafter(cfg)
         self.drafter.head_chunk_size = hp.head_chunk_size
         self.drafter.loss_settings = self.loss_settings
+        if hp.fp8 == "all":
+            convert_linears(self.drafter, hp.fp8_recipe)
+        # Under bf16-mixed the weights stay fp32 (the masters); frozen tensors and inputs take the compute dtype.
+        dtype = self._autocast_dtype()
         embed, head = load_target_io(hp.target)
-        self.drafter.set_target_io(embed, head)
+        self.drafter.set_target_io(embed.to(dtype or embed.dtype), head.to(dtype or head.dtype))
         self.buffers_ = StepBuffers(
             hp.token_budget, cfg.num_context_layers * cfg.hidden_size,
             base_slot_weights(cfg.block_size, hp.loss_weights, cfg.loss_gamma),
-            cfg.hidden_size if self.loss_settings.distills else 0,
+            cfg.hidden_size if self.loss_settings.distills else 0, dtype,
         )
         if hp.compile:
             if hp.compile_cache_dir:  # read by inductor at its first compile, which comes after this
                 os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(hp.compile_cache_dir).resolve())
             self.drafter.compile_blocks(hp.compile_mode)
+
+    def check_device(self, device: torch.device) -> None:
+        """Refuse settings the device cannot run (FP8 off Hopper-class GPUs), before any target is loaded."""
+        if self.hparams.fp8 == "none":
+            return
+        require_fp8(device, f"model.fp8={self.hparams.fp8}")
+        precision = getattr(getattr(self._trainer, "precision_plugin", None), "precision", None)
+        if precision not in (None, "bf16-mixed", "bf16-true"):  # FP8 matmuls return bf16
+            raise ConfigError(f"model.fp8={self.hparams.fp8} needs trainer.precision bf16-mixed, not {precision}")
+
+    def _autocast_dtype(self) -> torch.dtype | None:
+        """bf16 (or fp16) where the Trainer computes under autocast over fp32 weights, else None."""
+        plugin = self._trainer.precision_plugin if self._trainer is not None else None
+        if isinstance(plugin, MixedPrecision):
+            return torch.bfloat16 if plugin.precision == "bf16-mixed" else torch.float16
+        return None
 
     def step(self, batch: dict[str, Tensor], topk: int = 0, generator: torch.Generator | None = None) -> DraftOutput:
         """Loss (and top-k ids) of one packed batch through the persistent buffers."""
@@ -187,6 +219,8 @@ class DFlashModule(LightningModule):
                 f"model.objective '{self.hparams.objective}' needs the target's final hidden states ('final_hidden') "
                 "in each batch: TargetFeatures adds them; a feature cache must be written with --final_hidden true"
             )
+        if self.hparams.fp8 != "none" and self.drafter.head_fp8 is None:  # once, on the device, in its final dtype
+            self.drafter.use_fp8_head(self.hparams.fp8_recipe)
         buf = self.buffers_
         if self.hparams.compile and self.hparams.compile_mode == "reduce-overhead":
             torch.compiler.cudagraph_mark_step_begin()  # CUDA graph outputs of the last step may be overwritten

@@ -21,6 +21,7 @@ RECORD_KEY = "dflash_run"  # the checkpoint entry that holds the record
 FREE = (
     "model.lr", "model.weight_decay", "model.betas", "model.warmup_ratio", "model.min_lr_ratio", "model.compile",
     "model.compile_mode", "model.compile_cache_dir", "model.metrics_every", "model.topk", "model.head_chunk_size",
+    "model.fp8", "model.fp8_recipe",  # precision, like trainer.precision: the same weights, other matmuls
     "model.target", "target.path", "tokenizer.path", "data.tokenizer",  # paths: the fingerprints are compared
     "data.train_files", "data.val_files", "data.val_batches", "data.num_workers", "data.cache_dir",
     "data.feature_cache", "data.on_bad_record", "trainer.",

@@ -12,6 +12,7 @@ from typing import Any, Literal
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
+from dflash_lightning.fp8 import without_fp8
 from dflash_lightning.hf.modeling_dflash import check_sampling
 from dflash_lightning.target import DTYPES, resolve_model_dir
 
@@ -77,7 +78,7 @@ class SpeculativeValidation(Callback):
         self.last_step = trainer.global_step
         from dflash_lightning.evaluate import evaluate
 
-        drafter = pl_module.drafter
+        drafter = without_fp8(pl_module.drafter)  # decoded as served: plain linears over the same weights
         if self.model is None:
             from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -96,6 +96,11 @@ class DFlashCLI(LightningCLI):
                 log.warning(f"resuming from {found}, the newest complete checkpoint (--preemption.resume=never: fresh)")
                 ckpt_path = str(found)
         self.trainer.fit(model, ckpt_path=ckpt_path, **kwargs)
+    def before_fit(self) -> None:
+        """Refuse what the device cannot run (FP8 off Hopper-class GPUs) before the target is loaded."""
+        self.model.check_device(self.trainer.strategy.root_device)
+
+    before_validate = before_fit
 
 
 def main(argv: Sequence[str] | None = None, run: bool = True) -> DFlashCLI:

@@ -12,6 +12,8 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor
 
+from dflash_lightning.config import ConfigError
+from dflash_lightning.fp8 import require_fp8
 from dflash_lightning.target.features import FeatureExtractor
 from dflash_lightning.target.loading import DTYPES
 from dflash_lightning.target.separate import FeaturePrefetcher, rank_devices
@@ -32,6 +34,7 @@ class TargetFeatures(Callback):
         target_devices: list[str] | None = None,
         prefetch: int = 2,
         attn_implementation: str = "auto",
+        fp8: bool = False,
     ) -> None:
         """
         Args:
@@ -47,13 +50,19 @@ class TargetFeatures(Callback):
             attn_implementation: transformers attention backend of the target: `auto` (flex attention under a
                 BlockMask of the packed row's documents on GPUs, no `[T, T]` mask; SDPA with a dense mask on the
                 CPU), or one of transformers' own (sdpa, eager, flex_attention).
+            fp8: Run the target's linear layers in FP8 (Hopper GPUs, torchao: weights and activations scaled per
+                row), loaded from `dtype` weights; the features then match a target served in FP8.
         """
         if placement == "separate" and not target_devices:
             raise ValueError("target.target_devices: name the devices of the target for placement 'separate'")
         if prefetch < 1:
             raise ValueError(f"target.prefetch must be >= 1, got {prefetch}")
+        if fp8 and dtype != "bfloat16":
+            raise ConfigError(f"target.fp8: needs target.dtype bfloat16 (FP8 matmuls return bf16), not {dtype}")
+        if fp8 and placement == "sharded":
+            raise ConfigError("target.fp8: not with placement 'sharded' (FP8 weights are not sharded); use colocated")
         self.path, self.dtype, self.placement, self.attn_implementation = path, dtype, placement, attn_implementation
-        self.target_devices, self.prefetch = list(target_devices or []), prefetch
+        self.target_devices, self.prefetch, self.fp8 = list(target_devices or []), prefetch, fp8
         self.extractor: FeatureExtractor | None = None
         self.extractors: list[FeatureExtractor] = []
 
@@ -66,6 +75,10 @@ class TargetFeatures(Callback):
         # Distillation's teacher is the target's final normed hidden state: then the whole target runs.
         final = getattr(getattr(pl_module, "loss_settings", None), "distills", False)
 
+        if self.fp8:  # before any weight is read
+            devices = [trainer.strategy.root_device] if self.placement == "colocated" else self.target_devices
+            for device in devices:
+                require_fp8(device, "target.fp8")
         if self.placement == "colocated":
             self.extractor = self.load_extractor(trainer.strategy.root_device, layer_ids, final_hidden=final)
             return
@@ -88,10 +101,11 @@ class TargetFeatures(Callback):
         self, device: torch.device | str, layer_ids: list[int], mesh: DeviceMesh | None = None,
         final_hidden: bool = False,
     ) -> FeatureExtractor:
-        """The target's feature extractor on `device` (sharded over `mesh` when given)."""
-        return FeatureExtractor.from_pretrained(
+        """The target's feature extractor on `device` (sharded over `mesh` when given; in FP8 if asked)."""
+        extractor = FeatureExtractor.from_pretrained(
             self.path, layer_ids, DTYPES[self.dtype], device, self.attn_implementation, mesh, final_hidden
         )
+        return extractor.quantize_fp8() if self.fp8 else extractor
 
     def prefetched(self, loader: Any, device: torch.device) -> Any:
         """`loader` with features computed ahead by the separate targets (empty loaders pass through)."""

@@ -42,6 +42,13 @@ class FeatureExtractor(nn.Module):
             norm.register_forward_hook(self._capture("final"))
         self.requires_grad_(False).eval()
 
+    def quantize_fp8(self) -> FeatureExtractor:
+        """The target's linear layers in FP8 (rowwise-scaled weights and activations, torchao), on its device."""
+        from dflash_lightning.fp8 import quantize_model
+
+        quantize_model(self.model, "rowwise")
+        return self
+
     @classmethod
     def from_pretrained(
         cls, path: str, layer_ids: list[int], dtype: torch.dtype = torch.bfloat16,

@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# Precision and FP8 on one H200 (issues 14 and 17), in two parts that fit one device call each:
+#   bash benchmarks/precision_h200.sh OUT_DIR speed     drafter step bf16-true / bf16-mixed / FP8, co-located
+#                                                       pipelines (8192/512 and the recipe's 3072/512), projection
+#   bash benchmarks/precision_h200.sh OUT_DIR quality   loss curves bf16 vs FP8 on the same batches, FP8 target
+#                                                       features of the tiny target, and the tiny default trained
+#                                                       on the GPU per precision and seed: val loss, served tau
+# Needs torchao (pip install 'torchao>=0.17'). Writes OUT_DIR/{speed,quality}.json, tiny.json and logs
+# (and $OUT/bench.json, the partial results, where OUT is set).
+set -u -o pipefail
+out=${1:?OUT_DIR}; part=${2:?speed|quality}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/inductor-precision}
+bench="python3 benchmarks/step_bench.py --warmup ${WARMUP:-12} --steps ${STEPS:-30} --pipeline-steps ${PIPE_STEPS:-40}"
+if [ "$part" = speed ]; then  # everything timed, one run (about 10 minutes)
+  $bench --skip eager,warm,curves,tiny_features --out "$out/speed.json" 2>&1 | grep -v Warning > "$out/speed.log"
+  exit
+fi
+repo=$PWD
+tiny() {  # arm seed precision [extra CLI args]: fit the tiny default in its own folder, then evaluate it
+  local arm=$1 seed=$2 precision=$3; shift 3
+  local dir=/tmp/tiny-$arm-$seed
+  rm -rf "$dir"; mkdir -p "$dir"; ln -s "$repo/dflash_lightning" "$repo/configs" "$dir/"
+  (cd "$dir" && OMP_NUM_THREADS=2 timeout ${FIT_S:-600} python3 -m dflash_lightning fit --config configs/tiny.yaml --seed_everything=$seed \
+      --trainer.accelerator=gpu --trainer.precision=$precision "$@" &&
+   OMP_NUM_THREADS=2 timeout ${EVAL_S:-600} python3 -m dflash_lightning evaluate --drafter runs/tiny/checkpoints/last.ckpt \
+      --prompts dflash_lightning/assets/tiny/data/prompts.jsonl --device cuda --dtype float32 --out runs/tiny/eval
+  ) > "$out/tiny-$arm-$seed.log" 2>&1 || echo "tiny $arm $seed failed"
+}
+if [ "$part" = speed2 ]; then  # FP8 drafter steps against bf16-mixed, and the target's own rate bf16 vs FP8
+  timeout ${SPEED2_S:-115} $bench --modes "" --precisions bf16-mixed --fp8 ${FP8:-head:rowwise,all:tensorwise} \
+    --skip eager,warm,curves,pipeline_fit --out "$out/speed2.json" 2>&1 | grep -v Warning > "$out/speed2.log"
+  exit
+fi
+[ -n "${CURVES:-}" ] && $bench --skip step,pipeline --curve-steps ${CURVE_STEPS:-200} --out "$out/quality.json" 2>&1 \
+  | grep -v Warning > "$out/quality.log" &
+for seed in ${SEEDS:-0 1}; do
+  for arm in ${ARMS:-true mixed fp8head fp8all}; do
+    case $arm in
+      true) tiny true $seed bf16-true & ;;
+      mixed) tiny mixed $seed bf16-mixed & ;;
+      fp8head) tiny fp8head $seed bf16-mixed --model.fp8=head & ;;
+      fp8all) tiny fp8all $seed bf16-mixed --model.fp8=all & ;;
+    esac
+  done
+done
+[ -n "${SEPARATE:-}" ] && tiny fp8target-separate 0 bf16-mixed --model.fp8=head --target.fp8=true \
+  --target.dtype=bfloat16 --target.placement=separate '--target.target_devices=[cuda:0]' --trainer.max_steps=40 &
+wait
+tar czf "$out/tiny-logs.tgz" -C "$out" $(cd "$out" && ls tiny-*.log) && rm -f "$out"/tiny-*.log
+python3 - "$out" <<'PY'
+import csv, glob, json, sys
+from pathlib import Path
+rows = {}
+for folder in sorted(glob.glob("/tmp/tiny-*")):
+    name = Path(folder).name[5:]
+    row = {}
+    for metrics in Path(folder).glob("runs/tiny/dflash/version_*/metrics.csv"):
+        for r in csv.DictReader(metrics.open()):
+            for key in ("val/loss", "val/tau", "val/tau_served", "train/loss"):
+                if r.get(key):
+                    row[key] = float(r[key])  # the last logged value
+    report = Path(folder, "runs/tiny/eval/report.json")
+    if report.exists():
+        rep = json.loads(report.read_text())
+        row["eval"] = {k: v for k, v in rep.items() if not isinstance(v, (list, dict)) or k == "summary"}
+    rows[name] = row
+Path(sys.argv[1], "tiny.json").write_text(json.dumps(rows, indent=2) + "\n")
+print(json.dumps(rows, indent=1))
+PY

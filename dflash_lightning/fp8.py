@@ -1,0 +1,100 @@
+"""FP8 on Hopper-class GPUs through torchao: the device check, the drafter's float8 training linears,
+the frozen head's and the frozen target's pre-quantized weights with dynamically scaled activations.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from dflash_lightning.config import ConfigError
+
+Recipe = Literal["rowwise", "tensorwise"]
+AMAX_FLOOR = 1e-12  # all-zero rows (unsupervised slots' gradients) would get scale 0 and turn into NaN
+MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada, Hopper and later
+
+
+def require_fp8(device: torch.device | str, option: str) -> None:
+    """Refuse FP8 unless `device` is a CUDA GPU with FP8 tensor cores and torchao is installed."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ConfigError(f"{option}: FP8 needs a CUDA GPU with FP8 tensor cores (Hopper), this run is on {device}")
+    capability = torch.cuda.get_device_capability(device)
+    if capability < MIN_CAPABILITY:
+        raise ConfigError(
+            f"{option}: FP8 needs compute capability >= 8.9 (Hopper: 9.0), "
+            f"{torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]}"
+        )
+    try:
+        import torchao  # noqa: F401
+    except ImportError as err:
+        raise ConfigError(f"{option}: FP8 goes through torchao: pip install 'torchao>=0.17'") from err
+
+
+def _fp8_shaped(module: nn.Module, _name: str = "") -> bool:
+    """FP8 matmuls need both dims divisible by 16."""
+    return isinstance(module, nn.Linear) and module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+
+def convert_linears(module: nn.Module, recipe: Recipe) -> nn.Module:
+    """Swap `module`'s linear layers for torchao's float8 training linears (parameter names unchanged)."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    return convert_to_float8_training(
+        module, config=Float8LinearConfig.from_recipe_name(recipe), module_filter_fn=_fp8_shaped
+    )
+
+
+def _granularity(recipe: Recipe):
+    from torchao.quantization import PerRow, PerTensor
+
+    return PerRow() if recipe == "rowwise" else PerTensor()
+
+
+def quantize_frozen(weight: Tensor, recipe: Recipe = "rowwise") -> Tensor:
+    """A frozen weight `[out, in]` in FP8 (e4m3, scaled per row or per tensor) for `F.linear(x, w)`.
+
+    Activations multiplied with it are quantized on the fly with the same granularity, as torchao's
+    dynamic-activation config does for the target's linears.
+    """
+    from torchao.float8.inference import Float8MMConfig
+    from torchao.quantization import Float8Tensor
+    from torchao.quantization.quantize_.workflows import QuantizeTensorToFloat8Kwargs
+
+    granularity = _granularity(recipe)
+    return Float8Tensor.from_hp(
+        weight.detach(), float8_dtype=torch.float8_e4m3fn, granularity=granularity,
+        mm_config=Float8MMConfig(use_fast_accum=True),
+        act_quant_kwargs=QuantizeTensorToFloat8Kwargs(torch.float8_e4m3fn, granularity, hp_value_lb=AMAX_FLOOR),
+    )
+
+
+def quantize_model(model: nn.Module, recipe: Recipe = "rowwise") -> nn.Module:
+    """A frozen model's linear layers in FP8, weights and dynamically scaled activations (torchao `quantize_`)."""
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, quantize_
+
+    config = Float8DynamicActivationFloat8WeightConfig(granularity=_granularity(recipe), activation_value_lb=AMAX_FLOOR)
+    quantize_(model, config, filter_fn=_fp8_shaped)
+    return model
+
+
+def without_fp8(module: nn.Module) -> nn.Module:
+    """`module` with torchao's float8 linears as plain linears sharing their weights (what serving runs).
+
+    Modules holding none are returned as they are; the others are shallow copies, so `module` is unchanged.
+    """
+    if isinstance(module, nn.Linear) and type(module) is not nn.Linear:
+        linear = nn.Linear(0, 0, device="meta")
+        linear.in_features, linear.out_features = module.in_features, module.out_features
+        linear.weight = module.weight
+        linear.register_parameter("bias", module.bias)
+        return linear
+    if all(type(m) is nn.Linear for m in module.modules() if isinstance(m, nn.Linear)):
+        return module
+    plain = copy.copy(module)
+    plain.__dict__["_modules"] = {name: without_fp8(child) for name, child in module._modules.items()}
+    plain.__dict__["_compiled_call_impl"] = None  # a compiled module's graph calls the original's forward
+    return plain

@@ -1,0 +1,112 @@
+"""Precision: bf16 compute over fp32 master weights with norm clipping, and the FP8 options (refusal, numerics)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
+from test_cli import run_config  # noqa: F401 (fixture)
+from test_module import batch_with_features, make_module
+
+from dflash_lightning.cli import cli_main
+from dflash_lightning.config import ConfigError
+from dflash_lightning.fp8 import require_fp8
+from dflash_lightning.target import TargetFeatures
+
+
+def test_bf16_mixed_clips_by_norm_with_the_fused_adamw(tiny_target):
+    """Lightning refuses clipping with a fused AdamW under any AMP plugin; bf16 has no scaler, so the module clips."""
+    module = make_module(tiny_target)
+    params = list(module.drafter.parameters())
+    for p in params:
+        p.grad = torch.full_like(p, 3.0)
+    optimizer = torch.optim.AdamW(params, fused=True)
+    module._trainer = SimpleNamespace(model=torch.nn.Linear(1, 1), precision_plugin=MixedPrecision("bf16-mixed", "cpu"))
+    module.configure_gradient_clipping(optimizer, 1.0, "norm")
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
+    torch.testing.assert_close(norm, torch.tensor(1.0), rtol=1e-4, atol=1e-4)
+
+
+def test_bf16_compute_over_fp32_weights(tiny_target):
+    """Under autocast the weights stay fp32 while the hidden states run in bf16, and the loss stays close."""
+    module = make_module(tiny_target)
+    batch = batch_with_features(tiny_target, module.drafter_config.target_layer_ids)
+    reference = module.step(batch, generator=torch.Generator().manual_seed(1)).loss
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert module.drafter.compute_dtype() == torch.bfloat16
+        hidden = module.drafter.context(module.buffers_.features)
+        loss = module.step(batch, generator=torch.Generator().manual_seed(1)).loss
+    assert hidden.dtype == torch.bfloat16 and module.drafter.fc.weight.dtype == torch.float32
+    loss.backward()
+    assert module.drafter.fc.weight.grad.dtype == torch.float32
+    torch.testing.assert_close(loss, reference, rtol=2e-2, atol=0)
+
+
+def test_fp8_is_refused_off_fp8_gpus_naming_the_option(monkeypatch):
+    with pytest.raises(ConfigError, match="model.fp8=head: FP8 needs a CUDA GPU .* this run is on cpu"):
+        require_fp8("cpu", "model.fp8=head")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    with pytest.raises(ConfigError, match="target.fp8: FP8 needs compute capability >= 8.9.*A100 has 8.0"):
+        require_fp8("cuda:0", "target.fp8")
+
+
+def test_fp8_through_the_cli_on_cpu_stops_before_the_target_loads(run_config, monkeypatch):  # noqa: F811
+    loaded = []
+    monkeypatch.setattr(TargetFeatures, "load_extractor", lambda *a: loaded.append(a))
+    with pytest.raises(ConfigError, match="model.fp8=all"):
+        cli_main(["fit", "--config", str(run_config), "--model.fp8=all"])
+    with pytest.raises(ConfigError, match="target.fp8"):
+        cli_main(["fit", "--config", str(run_config), "--target.fp8=true"])
+    assert not loaded
+    with pytest.raises(ConfigError, match="target.fp8: not with placement 'sharded'"):
+        TargetFeatures("unused", placement="sharded", fp8=True)
+
+
+def test_fp8_head_and_linears_follow_the_bf16_loss(tiny_target, monkeypatch):
+    """torchao's FP8 path (its CPU fallback here): same parameter names, loss and gradient close to bf16."""
+    pytest.importorskip("torchao")
+    monkeypatch.setattr("dflash_lightning.module.require_fp8", lambda device, option: None)
+    torch.manual_seed(0)
+    base = make_module(tiny_target).to(torch.bfloat16)
+    fp8 = make_module(tiny_target, fp8="all").to(torch.bfloat16)
+    assert list(fp8.state_dict()) == list(base.state_dict())
+    fp8.load_state_dict(base.state_dict())
+    assert type(fp8.drafter.layers[0].mlp.up_proj).__name__ == "Float8Linear"
+    batch = batch_with_features(tiny_target, base.drafter_config.target_layer_ids)
+    losses, grads = [], []
+    for module in (base, fp8):
+        out = module.step(batch, generator=torch.Generator().manual_seed(2))
+        out.loss.backward()
+        losses.append(out.loss.float())
+        grads.append(module.drafter.layers[0].mlp.down_proj.weight.grad.float())
+    assert fp8.drafter.head_fp8 is not None
+    torch.testing.assert_close(losses[1], losses[0], rtol=2e-2, atol=0)
+    assert torch.nn.functional.cosine_similarity(grads[0].flatten(), grads[1].flatten(), dim=0) > 0.95
+
+
+def test_served_decoding_sees_plain_linears_over_the_same_weights(tiny_target, monkeypatch):
+    pytest.importorskip("torchao")
+    from dflash_lightning.fp8 import without_fp8
+
+    monkeypatch.setattr("dflash_lightning.module.require_fp8", lambda device, option: None)
+    module = make_module(tiny_target, fp8="all")
+    plain = without_fp8(module.drafter)
+    linears = [m for m in plain.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(type(m) is torch.nn.Linear for m in linears)
+    assert type(module.drafter.fc).__name__ == "Float8Linear"  # the trained module is unchanged
+    assert plain.fc.weight is module.drafter.fc.weight
+    x = torch.randn(3, plain.fc.in_features)
+    torch.testing.assert_close(plain.context(x), module.drafter.hidden_norm(x @ plain.fc.weight.T))
+
+
+@pytest.mark.parametrize("name", ["qwen3-8b.yaml", "qwen3-8b-long.yaml", "llama3.1-8b.yaml"])
+def test_gpu_configs_keep_fp32_master_weights(name):
+    import yaml
+    from test_cli import CONFIGS
+
+    config = yaml.safe_load((CONFIGS / name).read_text())
+    assert config["trainer"]["precision"] == "bf16-mixed"
+    assert config["model"]["fp8"] == "none"  # FP8 stays opt-in until its quality is measured on a real target
