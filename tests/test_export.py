@@ -287,7 +287,8 @@ def test_exported_spec_generate_samples_as_the_decoder(tiny_target, tmp_path, sa
 
 def test_sliding_window_drafter_round_trips_and_decodes_losslessly(tiny_target, tmp_path):
     """config.json carries the window as transformers and the engines read it; export -> import -> decode is
-    the target's own greedy decoding, in our decoder (which drops K/V the window hides) and the folder's."""
+    the target's own greedy decoding, in our decoder (which drops K/V the window hides) and the folder's, and
+    sampled decoding gives the same tokens in both for one seed."""
     from transformers import AutoConfig
 
     from dflash_lightning.speculative import SpeculativeDecoder
@@ -315,6 +316,12 @@ def test_sliding_window_drafter_round_trips_and_decodes_losslessly(tiny_target, 
         assert decoder.generate(ids, 24, 2).tokens == expected
         out = served.spec_generate(target, ids[None], max_new_tokens=24, stop_token_ids=[2])
         assert out[0, ids.numel():].tolist() == expected
+        # Sampled (temperature 1): the folder and our decoder draft alike under the window, so one seed gives one
+        # output; that the rule itself samples as the target alone is test_speculative_sampling_is_lossless.
+        sampled = decoder.generate(ids, 24, 2, temperature=1.0, generator=torch.Generator().manual_seed(i))
+        out = served.spec_generate(target, ids[None], max_new_tokens=24, stop_token_ids=[2], temperature=1.0,
+                                   generator=torch.Generator().manual_seed(i))
+        assert out[0, ids.numel():].tolist() == sampled.tokens
 
 
 def test_folder_whose_window_transformers_would_drop_is_refused(tiny_target, tmp_path):
