@@ -22,6 +22,7 @@ FREE = (
     "model.lr", "model.weight_decay", "model.betas", "model.warmup_ratio", "model.min_lr_ratio", "model.compile",
     "model.compile_mode", "model.compile_cache_dir", "model.metrics_every", "model.topk", "model.head_chunk_size",
     "model.fp8", "model.fp8_recipe",  # precision, like trainer.precision: the same weights, other matmuls
+    "model.nonfinite", "model.max_nonfinite_in_a_row",  # policies of a bad step, not what is trained
     "model.target", "target.path", "tokenizer.path", "data.tokenizer",  # paths: the fingerprints are compared
     "data.train_files", "data.val_files", "data.val_batches", "data.num_workers", "data.cache_dir",
     "data.feature_cache", "data.on_bad_record", "trainer.",
@@ -109,7 +110,7 @@ def check_resume(saved: dict[str, Any] | None, current: dict[str, Any], path: st
         raise ResumeError(
             f"cannot resume{where}: these settings change what is trained (checkpoint -> now):\n  "
             + "\n  ".join(refused)
-            + "\ntype the checkpoint's values, or start a new run (another checkpoint folder, no --ckpt_path)"
+            + "\ntype the checkpoint's values, or start a new run (--preemption.resume=never, or another folder)"
         )
     if changed:
         log.warning(f"resuming{where} with changed settings (checkpoint -> now), which take effect:\n  "

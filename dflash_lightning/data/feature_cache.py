@@ -149,7 +149,7 @@ def dequantize(values: Tensor, scales: Tensor) -> Tensor:
 
 
 
-SAMPLE_FIELDS = ("features", "scales", "input_ids", "loss_mask")  # what a sample's crc32 covers, in this order
+SAMPLE_FIELDS = ("features", "scales", "final_hidden", "input_ids", "loss_mask")  # what a crc32 covers, in order
 
 
 def sample_crc32(tensors: dict[str, Tensor], a: int, b: int) -> int:
