@@ -195,3 +195,5 @@ class DFlashModule(LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # The resolved drafter config lets export and evaluation work without re-reading the target.
         checkpoint["drafter_config"] = self.drafter_config.to_dict()
+        if self._trainer is not None:  # export serves the drafter in the dtype it was trained in
+            checkpoint["precision"] = str(self.trainer.precision)
