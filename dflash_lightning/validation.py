@@ -76,8 +76,11 @@ class SpeculativeValidation(Callback):
             report = evaluate(drafter, self.model, self.tokenizer, self.prompts, self.max_new_tokens,
                               enable_thinking=self.enable_thinking, progress=False, warmup=False)
         if log and report["tau_pooled"] is not None:  # CPU tensors: a float would be a device tensor read with a sync
+            # tau pooled over all decode steps, and the mean of per-prompt tau (DFLASH.md section 6)
             pl_module.log("val/tau_served", torch.tensor(float(report["tau_pooled"])), rank_zero_only=True,
                           prog_bar=True)
+            pl_module.log("val/tau_served_prompt_mean", torch.tensor(float(report["tau_prompt_mean"])),
+                          rank_zero_only=True)
             pl_module.log("val/speculative_mismatches", torch.tensor(float(report["mismatches"])), rank_zero_only=True)
         self.report = report
         return report
