@@ -41,7 +41,8 @@ def hf_config(cfg: DrafterConfig, dtype: DType) -> dict[str, Any]:
     """The config.json of a drafter with weights of `dtype`: Qwen3 fields plus the DFlash ones, as published drafters.
 
     SGLang builds the drafter in `dtype` under its default `--dtype auto` (float16 without it); vLLM builds it in the
-    target's dtype. Neither reads a field that is left out here (DFLASH.md section 7).
+    target's dtype. Fields the engines default to this drafter's values are left out (is_causal: blocks are
+    bidirectional; use_aux_hidden_state, target_hidden_size, draft_vocab_size, mask_token); DFLASH.md section 7.
     """
     return {
         "architectures": ["DFlashDraftModel"],
