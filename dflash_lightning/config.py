@@ -138,6 +138,14 @@ class DrafterConfig:
                     f"target_layer_ids {bad} out of range: the target has {self.num_target_layers} "
                     f"layers (valid ids 0..{self.num_target_layers - 1})"
                 )
+            last = self.num_target_layers - 1
+            if last in self.target_layer_ids:
+                raise ConfigError(
+                    f"target_layer_ids {list(self.target_layer_ids)} name the target's last layer ({last}): the "
+                    "engines disagree about its feature (Hugging Face and the reference take the final norm's "
+                    "output, vLLM the residual stream before it, SGLang's Qwen3 and Llama never capture it), so "
+                    f"such a drafter serves differently in each (DFLASH.md section 1); use ids up to {last - 1}"
+                )
         if self.mask_token_id is not None and self.vocab_size is not None:
             if not 0 <= self.mask_token_id < self.vocab_size:
                 raise ConfigError(

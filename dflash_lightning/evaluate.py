@@ -324,7 +324,7 @@ def evaluate_drafter(
     if target is None:
         raise ValueError("--target is needed for an exported drafter folder")
     folder = resolve_model_dir(target)
-    model = build_drafter(cfg, state, target).to(device=device, dtype=DTYPES[dtype])
+    model = build_drafter(cfg, state, target, dtype).to(device)  # cast as engines cast, overflow refused
     target_model = AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPES[dtype]).to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder)
     runs = [evaluate(model, target_model, tokenizer, rows, max_new_tokens, enable_thinking=enable_thinking,

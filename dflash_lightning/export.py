@@ -1,12 +1,14 @@
 """Export a trained drafter as the Hugging Face folder inference engines load (DFLASH.md section 7), and back.
 
-`export_checkpoint` writes config.json, model.safetensors and the modelling file; `import_folder` reads such
-a folder (ours or a published one) for fine-tuning or evaluation; `load_drafter` loads either for evaluation.
+`export_checkpoint` writes config.json (with the weights' `dtype`), model.safetensors and the modelling file;
+`serve_commands` are the vLLM and SGLang commands for the folder; `import_folder` reads such a folder (ours or a
+published one) for fine-tuning or evaluation; `load_drafter` loads either for evaluation.
 """
 
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -27,13 +29,23 @@ REQUIRED_FIELDS = (
     "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
     "rms_norm_eps", "max_position_embeddings", "vocab_size", "num_target_layers", "block_size",
 )
+DType = Literal["bfloat16", "float16", "float32"]
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+# Lightning precision -> the dtype the drafter's forward ran in, which is what it is served in.
+PRECISION_DTYPES = {
+    "bf16-true": "bfloat16", "bf16-mixed": "bfloat16", "bf16": "bfloat16", "16-true": "float16",
+    "16-mixed": "float16", "16": "float16", "32-true": "float32", "32": "float32",
+}
 
 
-def hf_config(cfg: DrafterConfig) -> dict[str, Any]:
-    """The config.json of a drafter: Qwen3 fields plus the DFlash ones, as published drafters have them.
+def hf_config(cfg: DrafterConfig, dtype: DType) -> dict[str, Any]:
+    """The config.json of a drafter with weights of `dtype`: Qwen3 fields plus the DFlash ones, as published drafters.
 
-    Sliding layers follow the Qwen3 convention (`layer_types`, `sliding_window`, `use_sliding_window`, without
-    which transformers drops the window); `is_causal` is written only when set, as the reference reads it.
+    SGLang builds the drafter in `dtype` under its default `--dtype auto` (float16 without it); vLLM builds it in the
+    target's dtype. Sliding layers follow the Qwen3 convention (`layer_types`, `sliding_window`,
+    `use_sliding_window`, without which transformers drops the window); `is_causal` is written only when set, as
+    the reference reads it. Fields the engines default to this drafter's values are left out
+    (use_aux_hidden_state, target_hidden_size, draft_vocab_size, mask_token); DFLASH.md section 7.
     """
     layer_types = list(cfg.layer_types or ["full_attention"] * cfg.num_layers)
     sliding = "sliding_attention" in layer_types
@@ -56,13 +68,56 @@ def hf_config(cfg: DrafterConfig) -> dict[str, Any]:
         "max_position_embeddings": cfg.max_position_embeddings,
         "vocab_size": cfg.vocab_size,
         "attention_bias": cfg.attention_bias,
+        "hidden_act": "silu",
         "tie_word_embeddings": False,
         "layer_types": layer_types,
         **attention,
         "num_target_layers": cfg.num_target_layers,
         "block_size": cfg.block_size,
         "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)},
+        "dtype": dtype,
     }
+
+
+def serve_commands(folder: str | Path, cfg: DrafterConfig, target: str | None = None) -> dict[str, str]:
+    """The vLLM and SGLang commands that serve a drafter folder for its target, with the trained block size.
+
+    vLLM never reads `block_size`: its block is 1 + `num_speculative_tokens`, so that is set to B - 1. SGLang reads
+    `block_size` itself; the flag states it anyway, so the command says what is served.
+    """
+    model = shlex.quote(str(target)) if target else "TARGET_MODEL"
+    spec = json.dumps({"method": "dflash", "model": str(folder), "num_speculative_tokens": cfg.block_size - 1})
+    draft = shlex.quote(str(folder))
+    return {
+        "vllm": f"vllm serve {model} --speculative-config {shlex.quote(spec)}",
+        "sglang": (
+            f"python -m sglang.launch_server --model-path {model} --speculative-algorithm DFLASH "
+            f"--speculative-draft-model-path {draft} --speculative-dflash-block-size {cfg.block_size}"
+        ),
+    }
+
+
+def cast_weights(state: dict[str, Tensor], dtype: DType | None, source: str) -> dict[str, Tensor]:
+    """Weights cast to `dtype` (None: as they are); a value the cast would turn into inf or nan is refused by name."""
+    if dtype is None:
+        return state
+    out = {}
+    for k, v in state.items():
+        out[k] = v.to(DTYPES[dtype])
+        if v.is_floating_point() and not torch.equal(v.isfinite(), out[k].isfinite()):
+            biggest = float(v[v.isfinite()].abs().max())
+            raise ValueError(
+                f"{source}: '{k}' holds values up to {biggest:.4g}, past the range of {dtype}; keep a wider dtype"
+            )
+    return out
+
+
+def weights_dtype(state: dict[str, Tensor], source: str) -> DType:
+    """The one floating dtype of a set of weights; a mix is refused (config.json has one `dtype`)."""
+    found = {DTYPE_NAMES.get(v.dtype, str(v.dtype)) for v in state.values() if v.is_floating_point()}
+    if len(found) != 1 or not found <= set(DTYPES):
+        raise ValueError(f"{source}: weights of dtype(s) {sorted(found)}; export needs one of {sorted(DTYPES)}")
+    return found.pop()
 
 
 def config_from_hf(raw: dict[str, Any]) -> DrafterConfig:
@@ -74,6 +129,9 @@ def config_from_hf(raw: dict[str, Any]) -> DrafterConfig:
         missing.append("rope_theta")
     if missing:
         raise ConfigError(f"drafter config.json lacks required field(s): {', '.join(missing)}")
+    dtype = raw.get("dtype", raw.get("torch_dtype"))
+    if dtype is not None and dtype not in DTYPES:
+        raise ConfigError(f"drafter config.json: dtype {dtype!r} is not one of {sorted(DTYPES)}")
     rope_theta, rope_scaling = _rope_settings(SimpleNamespace(**raw))
     layer_types, window = _attention_fields(raw)
     cfg = DrafterConfig(
@@ -122,9 +180,19 @@ def check_state_dict(cfg: DrafterConfig, state: dict[str, Tensor], source: str) 
 
 def read_checkpoint(path: str | Path) -> tuple[DrafterConfig, dict[str, Tensor], str | None]:
     """Drafter config, drafter weights (no `drafter.` prefix) and target path of a Lightning checkpoint."""
+    cfg, state, target, _ = _read_checkpoint(path)
+    return cfg, state, target
+
+
+def _read_checkpoint(path: str | Path) -> tuple[DrafterConfig, dict[str, Tensor], str | None, str | None]:
+    """`read_checkpoint` plus the Lightning precision the checkpoint was trained at (None if not recorded)."""
     # weights_only=False: the hyper-parameters hold a DrafterConfig object; the file is the user's own.
     ckpt = load_checkpoint(path, weights_only=False, required=("state_dict", "drafter_config"))
     cfg = DrafterConfig(**ckpt["drafter_config"])
+    try:
+        cfg.check()
+    except ConfigError as err:
+        raise ConfigError(f"{path}: drafter_config: {err}") from err
     prefix = "drafter."
     state = {k[len(prefix):]: v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)}
     check_state_dict(cfg, state, str(path))
@@ -132,30 +200,41 @@ def read_checkpoint(path: str | Path) -> tuple[DrafterConfig, dict[str, Tensor],
     if bad:  # written before saves refused them, or by other code: such weights draft nothing
         names = ", ".join(f"{k} ({n})" for k, n in list(bad.items())[:4])
         raise CheckpointError(f"{path}: non-finite weights (NaN/Inf values in {len(bad)} tensors: {names})")
-    return cfg, state, (ckpt.get("hyper_parameters") or {}).get("target")
+    return cfg, state, (ckpt.get("hyper_parameters") or {}).get("target"), ckpt.get("precision")
 
 
-def export_checkpoint(
-    ckpt_path: str | Path, out_dir: str | Path, dtype: Literal["bfloat16", "float16", "float32"] | None = None
-) -> Path:
-    """Write config.json, model.safetensors and the modelling file of a Lightning checkpoint to `out_dir`."""
-    cfg, state, _ = read_checkpoint(ckpt_path)
-    return write_folder(cfg, state, out_dir, dtype)
+def export_checkpoint(ckpt_path: str | Path, out_dir: str | Path, dtype: DType | None = None) -> Path:
+    """Write config.json, model.safetensors and the modelling file of a Lightning checkpoint to `out_dir`.
+
+    `dtype` None: the dtype the drafter was trained in (bf16-true and bf16-mixed: bfloat16), else as stored.
+    """
+    cfg, state, _, precision = _read_checkpoint(ckpt_path)
+    return write_folder(cfg, state, out_dir, dtype or PRECISION_DTYPES.get(str(precision)))
 
 
-def write_folder(
-    cfg: DrafterConfig, state: dict[str, Tensor], out_dir: str | Path,
-    dtype: Literal["bfloat16", "float16", "float32"] | None = None,
-) -> Path:
-    """The Hugging Face folder of a drafter config and its weights (names as in `DFlashDrafter.state_dict`)."""
+def write_folder(cfg: DrafterConfig, state: dict[str, Tensor], out_dir: str | Path, dtype: DType | None = None) -> Path:
+    """The Hugging Face folder of a drafter config and its weights (names as in `DFlashDrafter.state_dict`).
+
+    `dtype` casts the saved weights, and config.json's `dtype` names what was saved; None keeps them as they are.
+    """
     from safetensors.torch import save_file
 
+    cfg.check()
     check_state_dict(cfg, state, "export")
+    tensors = {k: v.detach().cpu().contiguous() for k, v in cast_weights(state, dtype, "export").items()}
+    saved = weights_dtype(tensors, "export")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {k: (v.to(DTYPES[dtype]) if dtype else v).detach().cpu().contiguous() for k, v in state.items()}
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(hf_config(cfg), indent=2) + "\n")
+    return write_config(cfg, out, saved)
+
+
+def write_config(cfg: DrafterConfig, out_dir: str | Path, dtype: DType) -> Path:
+    """config.json and the modelling file of a drafter folder (`write_folder` adds the weights)."""
+    cfg.check()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(hf_config(cfg, dtype), indent=2) + "\n")
     shutil.copyfile(MODELING_FILE, out / MODELING_FILE.name)
     return out
 
@@ -186,17 +265,19 @@ def read_drafter(path: str | Path) -> tuple[DrafterConfig, dict[str, Tensor], st
     return read_checkpoint(path)
 
 
-def build_drafter(cfg: DrafterConfig, state: dict[str, Tensor], target: str) -> DFlashDrafter:
-    """A drafter with these weights and the target's embedding and head, after checking it fits the target."""
+def build_drafter(cfg: DrafterConfig, state: dict[str, Tensor], target: str, dtype: DType | None = None
+                  ) -> DFlashDrafter:
+    """A drafter with these weights (cast to `dtype`, as engines cast a folder to the served dtype) and the target's
+    embedding and head, after checking it fits the target."""
     target_layers = load_target_config(target).num_hidden_layers
     if target_layers != cfg.num_target_layers:
         raise ConfigError(
             f"the drafter was made for a target of {cfg.num_target_layers} layers, '{target}' has {target_layers}"
         )
     drafter = DFlashDrafter(cfg)
-    drafter.load_state_dict(state)
+    drafter.load_state_dict(cast_weights(state, dtype, "drafter"))
     drafter.set_target_io(*load_target_io(target))  # checks hidden_size and vocab_size against the target
-    return drafter.eval()
+    return drafter.eval() if dtype is None else drafter.to(DTYPES[dtype]).eval()
 
 
 def load_drafter(path: str | Path, target_path: str | None = None) -> DFlashDrafter:
@@ -211,20 +292,37 @@ def load_drafter(path: str | Path, target_path: str | None = None) -> DFlashDraf
     return build_drafter(cfg, state, target)
 
 
-def export(*, checkpoint: str, out: str, dtype: Literal["bfloat16", "float16", "float32"] | None = None) -> Path:
+def export(*, checkpoint: str, out: str, dtype: DType | None = None) -> Path:
     """Export a DFlashModule checkpoint as a Hugging Face folder for vLLM, SGLang and transformers.
 
     Args:
         checkpoint: Lightning `.ckpt` file written while training a DFlashModule.
         out: Folder to write config.json, model.safetensors and modeling_dflash.py to.
-        dtype: Dtype of the saved weights; None: as stored in the checkpoint.
+        dtype: Dtype of the saved weights and of config.json's `dtype`; None: the dtype the drafter was trained in.
     """
-    folder = export_checkpoint(checkpoint, out, dtype)
-    print(f"exported {checkpoint} -> {folder}")
+    cfg, state, target, precision = _read_checkpoint(checkpoint)
+    folder = write_folder(cfg, state, out, dtype or PRECISION_DTYPES.get(str(precision)))
+    saved = json.loads((folder / "config.json").read_text())["dtype"]
+    print(f"exported {checkpoint} -> {folder} ({saved} weights, block size {cfg.block_size})")
+    print_serve_commands(folder, cfg, target, saved)
     return folder
 
 
+def print_serve_commands(folder: Path, cfg: DrafterConfig, target: str | None, dtype: str) -> None:
+    """Print the vLLM and SGLang commands that serve `folder`, and what to watch for."""
+    commands = serve_commands(folder, cfg, target)
+    print(f"serve with vLLM (block of 1 + num_speculative_tokens = {cfg.block_size}):\n  {commands['vllm']}")
+    print(f"serve with SGLang (reads block_size {cfg.block_size} and dtype {dtype} from config.json):\n"
+          f"  {commands['sglang']}")
+    if target is None:
+        print("TARGET_MODEL: the target model the drafter was trained for")
+    if dtype == "float32":
+        print("float32 weights: SGLang's --dtype auto serves a float32 config in float16; against a bfloat16 target "
+              "export with --dtype bfloat16")
+
+
 __all__ = [
-    "build_drafter", "check_state_dict", "export_checkpoint", "hf_config", "import_folder", "load_drafter",
-    "read_checkpoint", "read_drafter", "write_folder",
+    "build_drafter", "cast_weights", "check_state_dict", "export_checkpoint", "hf_config", "import_folder",
+    "load_drafter", "print_serve_commands", "read_checkpoint", "read_drafter", "serve_commands", "weights_dtype",
+    "write_config", "write_folder",
 ]

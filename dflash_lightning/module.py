@@ -378,6 +378,8 @@ class DFlashModule(LightningModule):
         # The resolved drafter config lets export and evaluation work without re-reading the target.
         checkpoint["drafter_config"] = self.drafter_config.to_dict()
         checkpoint[resume.RECORD_KEY] = self.run_record()
+        if self._trainer is not None:  # export serves the drafter in the dtype it was trained in
+            checkpoint["precision"] = str(self.trainer.precision)
 
     def run_record(self) -> dict[str, Any]:
         """This run's settings as a checkpoint records them (made once: the target is fingerprinted)."""

@@ -61,7 +61,8 @@ def test_fit_runs_through_the_cli_and_logs(run_config):
     assert module.hparams.token_budget == cli.datamodule.hparams.token_budget == 256
     assert cli.datamodule.hparams.block_size == module.drafter_config.block_size == 8
     logged = trainer.logged_metrics
-    for key in ("train/loss", "train/acc", "train/tau", "train/top5", "val/loss", "val/tau", "val/tau_served"):
+    for key in ("train/loss", "train/acc", "train/tau", "train/top5", "val/loss", "val/tau", "val/tau_served",
+                "val/tau_served_prompt_mean"):
         assert key in logged, key
     assert logged["val/speculative_mismatches"] == 0  # served decoding is lossless
     metrics_csv = next(Path(trainer.default_root_dir).rglob("metrics.csv"))

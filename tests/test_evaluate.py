@@ -202,7 +202,7 @@ class LogRecorder:
 
 
 @pytest.mark.parametrize("temperature,names", [
-    (0.0, {"val/tau_served", "val/speculative_mismatches"}),
+    (0.0, {"val/tau_served", "val/tau_served_prompt_mean", "val/speculative_mismatches"}),
     (0.6, {"val/tau_served_t0.6", "val/tau_expected_t0.6"}),
 ])
 def test_spec_eval_logs_each_temperature_under_its_own_name(tiny_target, prompts_file, temperature, names):

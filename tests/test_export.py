@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 from dataclasses import replace
 from pathlib import Path
 
@@ -14,7 +15,15 @@ from transformers import AutoModel, AutoModelForCausalLM
 
 from dflash_lightning.commands.export import main
 from dflash_lightning.config import ConfigError, DrafterConfig
-from dflash_lightning.export import export_checkpoint, import_folder, load_drafter, write_folder
+from dflash_lightning.export import (
+    build_drafter,
+    export_checkpoint,
+    import_folder,
+    load_drafter,
+    print_serve_commands,
+    write_config,
+    write_folder,
+)
 from dflash_lightning.model import DFlashDrafter
 from dflash_lightning.speculative import SpeculativeDecoder, target_generate
 from dflash_lightning.target import load_target_io
@@ -81,8 +90,8 @@ def test_folder_has_the_published_layout(folder):
     assert set(config) == {
         "architectures", "model_type", "auto_map", "hidden_size", "intermediate_size", "num_hidden_layers",
         "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling",
-        "max_position_embeddings", "vocab_size", "attention_bias", "tie_word_embeddings", "layer_types",
-        "use_sliding_window", "sliding_window", "num_target_layers", "block_size", "dflash_config",
+        "max_position_embeddings", "vocab_size", "attention_bias", "hidden_act", "tie_word_embeddings", "layer_types",
+        "use_sliding_window", "sliding_window", "num_target_layers", "block_size", "dflash_config", "dtype",
     }
     assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
     assert config["num_hidden_layers"] == 2 and config["num_target_layers"] == 6 and config["block_size"] == 8
@@ -163,6 +172,8 @@ def test_folder_with_wrong_weights_is_refused(folder, tmp_path, edit, message):
     (lambda c: c.pop("rope_theta"), "rope_theta"),
     (lambda c: c["dflash_config"].update(target_layer_ids=[1, 7]), r"target_layer_ids \[7\] out of range"),
     (lambda c: c.update(num_hidden_layers=3), r"missing 'layers\.2\."),  # config and weights disagree
+    (lambda c: c["dflash_config"].update(target_layer_ids=[1, 5]), r"name the target's last layer \(5\)"),
+    (lambda c: c.update(dtype="half"), r"dtype 'half' is not one of"),
 ])
 def test_folder_with_wrong_config_is_refused(folder, tmp_path, edit, message):
     with pytest.raises(ValueError, match=message):
@@ -329,3 +340,194 @@ def test_folder_whose_window_transformers_would_drop_is_refused(tiny_target, tmp
     folder = write_folder(drafter.config, drafter.state_dict(), tmp_path / "d")
     with pytest.raises(ConfigError, match="use_sliding_window is false"):
         import_folder(broken_copy(folder, tmp_path / "bad", edit_config=lambda c: c.update(use_sliding_window=False)))
+
+
+# -- what the serving engines read ----------------------------------------------------------------------------------
+# Written from vLLM's and SGLang's documented conventions for DFlash drafters (DFLASH.md section 7), not their code:
+# both read config.json through transformers, the weights by name from the safetensors header; vLLM's block is
+# 1 + num_speculative_tokens, SGLang's is block_size (--speculative-dflash-block-size); SGLang builds the drafter in
+# config.json's dtype under --dtype auto (a float32 or missing one: float16), and both cast to an explicit --dtype.
+
+ENGINE_FIELDS = {
+    "architectures": list, "model_type": str, "hidden_size": int, "intermediate_size": int, "num_hidden_layers": int,
+    "num_attention_heads": int, "num_key_value_heads": int, "head_dim": int, "rms_norm_eps": float,
+    "rope_theta": float, "max_position_embeddings": int, "vocab_size": int, "attention_bias": bool,
+    "hidden_act": str, "tie_word_embeddings": bool, "layer_types": list, "num_target_layers": int,
+    "block_size": int, "dflash_config": dict, "dtype": str,
+}
+# Fields that would make an engine build another drafter: causal blocks, other feature layers, a mask token string
+# checked against the tokenizer, a head or feature width of its own.
+MISREAD = {"is_causal", "eagle_aux_hidden_state_layer_ids", "target_layer_ids", "mask_token", "draft_vocab_size",
+           "target_hidden_size", "use_aux_hidden_state", "torch_dtype"}
+SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+
+
+def engine_weight_shapes(c: dict) -> dict[str, tuple[int, ...]]:
+    """Every weight an engine loads for this config.json, and its shape (no embedding, no head: the target's)."""
+    H, inter, D = c["hidden_size"], c["intermediate_size"], c["head_dim"]
+    q, kv, K = c["num_attention_heads"] * D, c["num_key_value_heads"] * D, len(c["dflash_config"]["target_layer_ids"])
+    shapes = {"fc.weight": (H, K * H), "hidden_norm.weight": (H,), "norm.weight": (H,)}
+    for i in range(c["num_hidden_layers"]):
+        p = f"layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
+            p + "self_attn.q_proj.weight": (q, H), p + "self_attn.k_proj.weight": (kv, H),
+            p + "self_attn.v_proj.weight": (kv, H), p + "self_attn.o_proj.weight": (H, q),
+            p + "self_attn.q_norm.weight": (D,), p + "self_attn.k_norm.weight": (D,),
+            p + "mlp.gate_proj.weight": (inter, H), p + "mlp.up_proj.weight": (inter, H),
+            p + "mlp.down_proj.weight": (H, inter),
+        }
+    return shapes
+
+
+def safetensors_header(path: Path) -> dict[str, dict]:
+    """Names, dtypes and shapes from a safetensors file's JSON header, as a loader reads them before any tensor."""
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+    header.pop("__metadata__", None)
+    return header
+
+
+def engine_dtype(config_dtype: str | None, requested: str = "auto") -> str:
+    """The dtype SGLang builds the drafter in: --dtype auto takes config.json's, a float32 or missing one as float16."""
+    if requested != "auto":
+        return requested
+    return "float16" if config_dtype in (None, "float32") else config_dtype
+
+
+def check_engine_config(c: dict) -> None:
+    """config.json has every field the engines read, with its type, and none they would misread."""
+    for field, kind in ENGINE_FIELDS.items():
+        assert type(c.get(field)) is kind, f"{field}: {c.get(field)!r} is not {kind.__name__}"
+    assert c["architectures"] == ["DFlashDraftModel"] and c["model_type"] == "qwen3" and c["hidden_act"] == "silu"
+    assert c["rope_scaling"] is None or isinstance(c["rope_scaling"], dict)
+    assert c["layer_types"] == ["full_attention"] * c["num_hidden_layers"] and c["tie_word_embeddings"] is False
+    assert c["dtype"] in ("bfloat16", "float16", "float32")
+    d = c["dflash_config"]
+    assert set(d) == {"mask_token_id", "target_layer_ids"}
+    assert type(d["mask_token_id"]) is int and 0 <= d["mask_token_id"] < c["vocab_size"]
+    ids = d["target_layer_ids"]
+    assert ids and all(type(i) is int and 0 <= i < c["num_target_layers"] - 1 for i in ids)  # never the last layer
+    assert not MISREAD & set(c), MISREAD & set(c)
+    assert c["num_attention_heads"] % c["num_key_value_heads"] == 0
+
+
+def check_serve_commands(printed: str, folder: Path, c: dict, target: str) -> None:
+    """The commands export printed serve this folder for its target with the trained block size."""
+    lines = [line.strip() for line in printed.splitlines()]
+    vllm = shlex.split(next(line for line in lines if line.startswith("vllm serve")))
+    assert vllm[2] == target
+    spec = json.loads(vllm[vllm.index("--speculative-config") + 1])
+    assert spec == {"method": "dflash", "model": str(folder), "num_speculative_tokens": c["block_size"] - 1}
+    sglang = shlex.split(next(line for line in lines if line.startswith("python -m sglang.launch_server")))
+    flags = dict(zip(sglang[3::2], sglang[4::2], strict=True))
+    assert flags == {"--model-path": target, "--speculative-algorithm": "DFLASH",
+                     "--speculative-draft-model-path": str(folder),
+                     "--speculative-dflash-block-size": str(c["block_size"])}
+
+
+def test_engines_read_the_exported_folder(checkpoint, tiny_target, tmp_path, capsys):
+    """Both the default (trained-dtype) export and a --dtype bfloat16 one: fields, weights, dtypes, commands."""
+    for dtype, expected in ((None, "float32"), ("bfloat16", "bfloat16")):
+        out = tmp_path / f"drafter-{expected}"
+        main(["--checkpoint", str(checkpoint), "--out", str(out)] + (["--dtype", dtype] if dtype else []))
+        c = json.loads((out / "config.json").read_text())
+        check_engine_config(c)
+        assert c["dtype"] == expected and c["block_size"] == 8  # the tiny checkpoint trains at 32-true, B = 8
+        header = safetensors_header(out / "model.safetensors")
+        assert {k: tuple(v["shape"]) for k, v in header.items()} == engine_weight_shapes(c)
+        assert {SAFETENSORS_DTYPES[v["dtype"]] for v in header.values()} == {c["dtype"]}
+        check_serve_commands(capsys.readouterr().out, out, c, str(tiny_target))
+        from transformers import AutoConfig
+
+        hf = AutoConfig.from_pretrained(out)  # what both engines parse config.json into
+        assert hf.dtype == getattr(torch, expected) and hf.block_size == 8 and hf.dflash_config["mask_token_id"] == 52
+    assert engine_dtype(c["dtype"]) == "bfloat16"  # SGLang's --dtype auto builds the bf16 folder in bf16
+
+
+def test_bf16_folder_loaded_in_float16_is_cast_or_refused(tiny_target, folder, tmp_path):
+    """An explicit float16 serve of a bf16 folder casts the weights, as the engines do; a value past float16's
+    range is refused by name instead of becoming inf."""
+    cfg, state = import_folder(folder)
+    bf16 = import_folder(write_folder(cfg, state, tmp_path / "bf16", "bfloat16"))[1]
+    assert engine_dtype("bfloat16", "float16") == "float16"
+    drafter = build_drafter(cfg, bf16, str(tiny_target), "float16")
+    for k, v in drafter.state_dict().items():
+        assert v.dtype == torch.float16 and torch.equal(v, bf16[k].to(torch.float16)), k
+    assert drafter.head_weight.dtype == torch.float16
+    served = AutoModel.from_pretrained(tmp_path / "bf16", trust_remote_code=True, dtype=torch.float16)
+    assert served.fc.weight.dtype == torch.float16
+    big = {**bf16, "norm.weight": bf16["norm.weight"].clone().fill_(1e5)}
+    with pytest.raises(ValueError, match=r"'norm\.weight' holds values up to 9\.984e\+04, past the range of float16"):
+        build_drafter(cfg, big, str(tiny_target), "float16")
+    with pytest.raises(ValueError, match=r"'norm\.weight' .* past the range of float16"):
+        write_folder(cfg, big, tmp_path / "f16", "float16")
+
+
+def test_export_takes_the_training_dtype(checkpoint, tmp_path, capsys):
+    """No --dtype: the dtype the drafter was trained in (bf16-mixed keeps fp32 masters; it is served in bf16)."""
+    ckpt = torch.load(checkpoint, weights_only=False)
+    assert ckpt["precision"] == "32-true"
+    ckpt["precision"] = "bf16-mixed"
+    torch.save(ckpt, tmp_path / "mixed.ckpt")
+    out = export_checkpoint(tmp_path / "mixed.ckpt", tmp_path / "mixed")
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    assert load_file(out / "model.safetensors")["fc.weight"].dtype == torch.bfloat16
+    del ckpt["precision"]  # a checkpoint from before precision was recorded: as stored
+    torch.save(ckpt, tmp_path / "old.ckpt")
+    out = export_checkpoint(tmp_path / "old.ckpt", tmp_path / "old")
+    assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
+
+
+def recipe_drafter(config_file: str, target_config, **resolve) -> DrafterConfig:
+    """The drafter of a shipped GPU recipe, resolved against a target config of the real model's shape."""
+    import yaml
+
+    section = yaml.safe_load((Path(__file__).parents[1] / "configs" / config_file).read_text())["model"]["drafter"]
+    return DrafterConfig(**section).resolved(target_config, **resolve)
+
+
+def test_recipe_shaped_configs_serve_with_their_block_size(tmp_path, capsys):
+    """Qwen3-8B (B = 16) and Llama-3.1-8B (B = 10) shapes, config only: fields, weight shapes, serve commands."""
+    from transformers import LlamaConfig, Qwen3Config
+
+    qwen3 = Qwen3Config(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                        num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+                        rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False)
+    llama3_rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 8192}
+    llama = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                        num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5,
+                        rope_theta=5e5, rope_scaling=llama3_rope)
+    cases = [
+        ("qwen3-8b.yaml", qwen3, dict(tokenizer_len=151669), "Qwen/Qwen3-8B", [1, 9, 17, 25, 33], 151669),
+        ("llama3.1-8b.yaml", llama, dict(tokenizer_len=128256, reserved_ids=[128002]),
+         "meta-llama/Llama-3.1-8B-Instruct", [1, 8, 15, 22, 29], 128002),
+    ]
+    for config_file, target_config, resolve, target, ids, mask in cases:
+        cfg = recipe_drafter(config_file, target_config, **resolve)
+        out = write_config(cfg, tmp_path / config_file.removesuffix(".yaml"), "bfloat16")
+        print_serve_commands(out, cfg, target, "bfloat16")
+        c = json.loads((out / "config.json").read_text())
+        check_engine_config(c)
+        assert c["dflash_config"] == {"mask_token_id": mask, "target_layer_ids": ids} and c["dtype"] == "bfloat16"
+        with torch.device("meta"):
+            shapes = {k: tuple(v.shape) for k, v in DFlashDrafter(cfg).state_dict().items()}
+        assert shapes == engine_weight_shapes(c)
+        check_serve_commands(capsys.readouterr().out, out, c, target)
+    assert c["block_size"] == 10 and c["rope_scaling"]["rope_type"] == "llama3"  # vLLM: num_speculative_tokens 9
+
+
+def test_last_target_layer_is_refused_by_export_and_evaluate(checkpoint, tmp_path):
+    """A checkpoint whose drafter config names the target's last layer (L - 1 = 5) exports and evaluates nothing."""
+    ckpt = torch.load(checkpoint, weights_only=False)
+    ckpt["drafter_config"]["target_layer_ids"] = [1, 5]  # same shapes: only the feature differs
+    torch.save(ckpt, tmp_path / "last.ckpt")
+    for run in (lambda: main(["--checkpoint", str(tmp_path / "last.ckpt"), "--out", str(tmp_path / "x")]),
+                lambda: load_drafter(tmp_path / "last.ckpt")):
+        with pytest.raises(ConfigError, match=r"last\.ckpt: drafter_config: .*last layer \(5\): the engines disagree"):
+            run()
+    assert not (tmp_path / "x").exists()
+    with pytest.raises(ConfigError, match="last layer"):
+        write_config(DrafterConfig(**ckpt["drafter_config"]), tmp_path / "y", "float32")

@@ -17,7 +17,7 @@ def tiny_drafter(layers: int = 2, block: int = 4, seed: int = 0, **kw) -> DFlash
     cfg = DrafterConfig(
         num_layers=layers, block_size=block, mask_token_id=3, target_layer_ids=[0, 2, 3], hidden_size=32,
         intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6,
-        rope_theta=10000.0, max_position_embeddings=256, vocab_size=40, num_target_layers=4, **kw,
+        rope_theta=10000.0, max_position_embeddings=256, vocab_size=40, num_target_layers=5, **kw,
     )
     torch.manual_seed(seed)
     drafter = DFlashDrafter(cfg).double()

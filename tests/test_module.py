@@ -95,6 +95,7 @@ def test_checkpoint_has_only_drafter_weights(tiny_target):
 @pytest.mark.parametrize("drafter,kw,message", [
     (DrafterConfig(hidden_size=32), {}, "hidden_size \\(32\\) must equal the target's hidden_size \\(64\\)"),
     (DrafterConfig(target_layer_ids=[1, 6]), {}, "target_layer_ids \\[6\\] out of range"),
+    (DrafterConfig(target_layer_ids=[1, 5]), {}, "name the target's last layer \\(5\\): the engines disagree"),
     (DrafterConfig(mask_token_id=999), {}, "mask_token_id 999 is outside the target's embedding"),
     (DrafterConfig(mask_token_id=5), {}, "mask_token_id 5 is a token the tokenizer emits"),
     (DrafterConfig(block_size=1), {}, "block_size must be >= 2"),
