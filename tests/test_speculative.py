@@ -231,12 +231,14 @@ class TableDecoder(SpeculativeDecoder):
         return torch.tensor(self.table[int(x)], device=x.device)
 
 
-def test_speculative_sampling_is_lossless():
+@pytest.mark.parametrize("drafting", ["table", "sliding"])
+def test_speculative_sampling_is_lossless(drafting):
     """The decoder's sequences at temperature 1 follow the target's exact sequence distribution (chi-square over
     all V^L sequences, rare ones pooled); sampling the residual from P instead of P without d_k fails it
-    (p < 1e-40 at these sizes, checked once by breaking the rule)."""
+    (p < 1e-40 at these sizes, checked once by breaking the rule). `table`: drafts from a fixed table, likely and
+    unlikely ones; `sliding`: a sliding-window drafter's own drafts (DFLASH.md 3b), through the whole real path."""
     V, L, B, samples = 5, 5, 4, 400
-    config = Qwen3Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+    config = Qwen3Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                          num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=64,
                          tie_word_embeddings=False)
     torch.manual_seed(0)
@@ -253,8 +255,12 @@ def test_speculative_sampling_is_lossless():
     exact = probs[:, -1] * probs[rows[:, None], torch.arange(L - 1), prefixes].prod(-1, keepdim=True)  # [V^(L-1), V]
     # drafts: the target's greedy continuation of prompt + x, right often at the first slots and less later
     table = {x: target_generate(target, torch.cat([prompt, torch.tensor([x])]), B - 1).tokens for x in range(V)}
-    drafter = DFlashDrafter(DrafterConfig(num_layers=1, block_size=B, mask_token_id=V - 1, gamma=4.0).resolved(config))
-    decoder = TableDecoder(target, drafter.eval(), table)
+    window = {"layer_types": ["sliding_attention"], "sliding_window": 3} if drafting == "sliding" else {}
+    drafter = DFlashDrafter(DrafterConfig(num_layers=1, block_size=B, mask_token_id=V - 1, gamma=4.0,
+                                          **window).resolved(config))
+    drafter.set_target_io(target.model.embed_tokens.weight.detach(), target.lm_head.weight.detach())
+    decoder = TableDecoder(target, drafter.eval(), table) if drafting == "table" else SpeculativeDecoder(
+        target, drafter.eval())
     g = torch.Generator().manual_seed(0)
     counts, accepted = torch.zeros(V ** L), []
     for _ in range(samples):
@@ -262,5 +268,6 @@ def test_speculative_sampling_is_lossless():
         assert len(out.tokens) == L
         counts[sum(t * V ** (L - 1 - i) for i, t in enumerate(out.tokens))] += 1
         accepted += out.accepted_lengths
-    assert min(accepted) == 0 and max(accepted) == B - 1  # rejections, and steps that took the bonus token
+    if drafting == "table":
+        assert min(accepted) == 0 and max(accepted) == B - 1  # rejections, and steps that took the bonus token
     assert chi_square_p(counts, exact.flatten()) > 1e-3
