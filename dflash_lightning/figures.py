@@ -27,6 +27,21 @@ def _figure(width: float, height: float, ncols: int = 1):
     return fig, list(fig.subplots(1, ncols, squeeze=False)[0])
 
 
+def _finish(fig, ax, xlabel: str, ylabel: str, title: str, legend: bool, grid: bool = False):
+    """Labels, optional title, legend and grid, then a tight layout: the last lines of every figure here."""
+    if xlabel:
+        ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if grid:
+        ax.grid(alpha=0.3)
+    if title:
+        ax.set_title(title)
+    if legend:
+        ax.legend()
+    fig.tight_layout()
+    return fig
+
+
 def batch_figure(batch: Mapping[str, Tensor], anchors: Tensor, valid: Tensor, block_size: int):
     """One packed row as strips: documents (colour), padding (white), supervised tokens, anchors and blocks."""
     doc_ids, loss_mask = batch["doc_ids"].cpu(), batch["loss_mask"].cpu()
@@ -70,16 +85,8 @@ def slot_curve_figure(curves: Mapping[str, Sequence[float | None]], ylabel: str 
     for name, values in curves.items():
         slots = [k for k, v in enumerate(values, start=1) if v is not None]
         ax.plot(slots, [values[k - 1] for k in slots], marker="o", markersize=3, label=name)
-    ax.set_xlabel("slot k")
-    ax.set_ylabel(ylabel)
     ax.set_ylim(0, 1)
-    ax.grid(alpha=0.3)
-    if title:
-        ax.set_title(title)
-    if len(curves) > 1:
-        ax.legend()
-    fig.tight_layout()
-    return fig
+    return _finish(fig, ax, "slot k", ylabel, title, len(curves) > 1, grid=True)
 
 
 def histogram_figure(histograms: Mapping[str, Sequence[int]], title: str = ""):
@@ -90,14 +97,8 @@ def histogram_figure(histograms: Mapping[str, Sequence[int]], title: str = ""):
         total = max(1, sum(counts))
         xs = [k + (i - (len(histograms) - 1) / 2) * width for k in range(len(counts))]
         ax.bar(xs, [c / total for c in counts], width=width, label=name)
-    ax.set_xlabel("draft tokens accepted in a step (tau of the step - 1)")
-    ax.set_ylabel("fraction of steps")
-    if title:
-        ax.set_title(title)
-    if len(histograms) > 1:
-        ax.legend()
-    fig.tight_layout()
-    return fig
+    return _finish(fig, ax, "draft tokens accepted in a step (tau of the step - 1)", "fraction of steps", title,
+                   len(histograms) > 1)
 
 
 def bars_figure(values: Mapping[str, Mapping[str, float | None]], ylabel: str, title: str = ""):
@@ -109,13 +110,7 @@ def bars_figure(values: Mapping[str, Mapping[str, float | None]], ylabel: str, t
         xs = [g + (i - (len(values) - 1) / 2) * width for g in range(len(groups))]
         ax.bar(xs, [series.get(g) or 0.0 for g in groups], width=width, label=name)
     ax.set_xticks(range(len(groups)), [str(g) for g in groups])
-    ax.set_ylabel(ylabel)
-    if title:
-        ax.set_title(title)
-    if len(values) > 1:
-        ax.legend()
-    fig.tight_layout()
-    return fig
+    return _finish(fig, ax, "", ylabel, title, len(values) > 1)
 
 
 def lines_figure(series: Mapping[str, tuple[Sequence[float], Sequence[float]]], xlabel: str, ylabel: str,
@@ -124,14 +119,7 @@ def lines_figure(series: Mapping[str, tuple[Sequence[float], Sequence[float]]], 
     fig, (ax,) = _figure(6, 3.6)
     for name, (xs, ys) in series.items():
         ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=name)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.grid(alpha=0.3)
-    if title:
-        ax.set_title(title)
-    ax.legend()
-    fig.tight_layout()
-    return fig
+    return _finish(fig, ax, xlabel, ylabel, title, True, grid=True)
 
 
 def step_segments(tokens: Sequence[int], accepted_lengths: Sequence[int]) -> list[list[int]]:
