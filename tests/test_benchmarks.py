@@ -54,4 +54,4 @@ def test_objective_ab_run_config_moves_every_output_and_sets_the_recipe(tmp_path
     assert cfg["seed_everything"] == 2 and cfg["model"]["objective"] == "kl" and cfg["model"]["loss_weights"] == "dpace"
     text = yaml.safe_dump(cfg)
     assert "runs/tiny" not in text and text.count(str(tmp_path / "run")) == 4  # root, 2 loggers, checkpoints
-    assert base["model"].get("objective") is None  # the base config is left as it was
+    assert base["model"]["objective"] == "ce"  # the base config is left as it was
