@@ -86,7 +86,7 @@ class DFlashModule(LightningModule):
         topk: tuple[int, ...] = (1, 5, 10),
         head_chunk_size: int = 4096,
         objective: Literal["ce", "kl", "ce+kl"] = "ce",
-        loss_weights: Literal["decay", "dpace"] = "decay",
+        loss_weights: Literal["decay", "dpace"] = "dpace",
         dpace_alpha: float = 0.5,
         temperature: float = 1.0,
         nonfinite: Literal["skip", "stop"] = "skip",
