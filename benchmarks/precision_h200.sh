@@ -13,7 +13,8 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/inductor-precision}
 bench="python3 benchmarks/step_bench.py --warmup ${WARMUP:-12} --steps ${STEPS:-30} --pipeline-steps ${PIPE_STEPS:-40}"
 if [ "$part" = speed ]; then  # everything timed, one run (about 10 minutes)
-  $bench --skip eager,warm,curves,tiny_features --out "$out/speed.json" 2>&1 | grep -v Warning > "$out/speed.log"
+  $bench --modes "${MODES-default}" --precisions ${PRECISIONS:-bf16-true,bf16-mixed} --fp8 ${FP8:-head:rowwise,all:rowwise,all:tensorwise} \
+    --skip eager,warm,curves,tiny_features --out "$out/speed.json" 2>&1 | grep --line-buffered -v Warning > "$out/speed.log"
   exit
 fi
 repo=$PWD
@@ -29,20 +30,21 @@ tiny() {  # arm seed precision [extra CLI args]: fit the tiny default in its own
 }
 if [ "$part" = speed2 ]; then  # FP8 drafter steps against bf16-mixed, and the target's own rate bf16 vs FP8
   timeout ${SPEED2_S:-115} $bench --modes "" --precisions bf16-mixed --fp8 ${FP8:-head:rowwise,all:tensorwise} \
-    --skip eager,warm,curves,pipeline_fit --out "$out/speed2.json" 2>&1 | grep -v Warning > "$out/speed2.log"
+    --skip eager,warm,curves,pipeline_fit --out "$out/speed2.json" 2>&1 | grep --line-buffered -v Warning > "$out/speed2.log"
   exit
 fi
-[ -n "${CURVES:-}" ] && $bench --skip step,pipeline --curve-steps ${CURVE_STEPS:-200} --out "$out/quality.json" 2>&1 \
-  | grep -v Warning > "$out/quality.log" &
-for seed in ${SEEDS:-0 1}; do
-  for arm in ${ARMS:-true mixed fp8head fp8all}; do
-    case $arm in
-      true) tiny true $seed bf16-true & ;;
-      mixed) tiny mixed $seed bf16-mixed & ;;
-      fp8head) tiny fp8head $seed bf16-mixed --model.fp8=head & ;;
-      fp8all) tiny fp8all $seed bf16-mixed --model.fp8=all & ;;
-    esac
-  done
+[ -n "${CURVES:-}" ] && $bench --skip step,pipeline,eager,warm --curve-steps ${CURVE_STEPS:-200} \
+  --curves ${CURVE_MODES:-bf16-true,bf16-mixed,head:rowwise,all:tensorwise} --out "$out/quality.json" 2>&1 \
+  | grep --line-buffered -v Warning > "$out/quality.log" &
+runs=${RUNS:-$(for s in ${SEEDS:-0 1}; do for a in ${ARMS:-true mixed fp8head fp8all}; do echo "$a:$s"; done; done)}
+for run in $runs; do  # arm:seed pairs (RUNS="true:0 mixed:2"), or every arm of every seed
+  arm=${run%%:*} seed=${run##*:}
+  case $arm in
+    true) tiny true $seed bf16-true & ;;
+    mixed) tiny mixed $seed bf16-mixed & ;;
+    fp8head) tiny fp8head $seed bf16-mixed --model.fp8=head & ;;
+    fp8all) tiny fp8all $seed bf16-mixed --model.fp8=all & ;;
+  esac
 done
 [ -n "${SEPARATE:-}" ] && tiny fp8target-separate 0 bf16-mixed --model.fp8=head --target.fp8=true \
   --target.dtype=bfloat16 --target.placement=separate '--target.target_devices=[cuda:0]' --trainer.max_steps=40 &

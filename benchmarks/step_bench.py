@@ -289,7 +289,7 @@ def drafter_shape(sliding_layers: int = 0, sliding_window: int = 2048) -> Drafte
 def run_fit(target: Path, compile: bool, mode: str | None, warmup: int, measured: int, features: Callback,
             logs: Path, token_budget: int = 8192, anchors: int = 512, profile_steps: int = 0,
             drafter: DrafterConfig | None = None, doc_tokens: tuple[int, int] = (300, 3000),
-            objective: str = "ce", loss_weights: str = "decay",
+            objective: str = "ce", loss_weights: str = "dpace",
             precision: str = "bf16-true", fp8: str = "none", fp8_recipe: str = "rowwise",
             data: LightningDataModule | None = None, extra: list[Callback] = ()) -> dict:
     """One Trainer.fit (progress bar and CSV logger on, as users run it); timings, memory, recompiles, syncs."""
@@ -442,6 +442,9 @@ def main() -> None:
     parser.add_argument("--curves", default="bf16-true,bf16-mixed,head:rowwise,all:rowwise",
                         help="loss curves on the same batches: precisions, or FP8 modes under bf16-mixed")
     parser.add_argument("--curve-steps", type=int, default=200, help="steps of each loss curve")
+    parser.add_argument("--pipeline-fp8", default=None,
+                        help="model.fp8:model.fp8_recipe of the FP8 pipeline's drafter; default: the fastest FP8 step")
+    parser.add_argument("--pipeline-targets", default="bf16,fp8", help="target precisions of the pipelines")
     parser.add_argument("--recipe-shape", default="3072,512", help="token budget,anchors of configs/qwen3-8b.yaml")
     parser.add_argument("--mean-tokens", type=float, default=1000, help="mean conversation length (projection)")
     parser.add_argument("--packing-fill", type=float, default=0.95, help="real tokens per budget token (projection)")
@@ -453,7 +456,7 @@ def main() -> None:
     parser.add_argument("--doc-tokens", default="300,3000", help="lo,hi: random documents' length range")
     parser.add_argument("--target-attention", default="auto", help="attention of the pipeline's target (auto, sdpa)")
     parser.add_argument("--objective", default="ce", choices=["ce", "kl", "ce+kl"], help="model.objective")
-    parser.add_argument("--loss-weights", default="decay", choices=["decay", "dpace"], help="model.loss_weights")
+    parser.add_argument("--loss-weights", default="dpace", choices=["decay", "dpace"], help="model.loss_weights")
     parser.add_argument("--probe-target", type=Path, default=None, help=argparse.SUPPRESS)  # warm-cache child
     args = parser.parse_args()
     recipe_kw = {"objective": args.objective, "loss_weights": args.loss_weights}
@@ -551,8 +554,10 @@ def main() -> None:
                 curve = LossCurve()
                 name = f"{precision}" + (f"[fp8={fp8},{recipe}]" if fp8 != "none" else "")
                 run = attempt(run_fit, target, True, None, 8, args.curve_steps - 8, ShiftedTokenFeatures(), logs,
-                              precision=precision, fp8=fp8, fp8_recipe=recipe, data=data(), extra=[curve])
-                curves[name] = run if "error" in run else {"loss": curve.values()}
+                              precision=precision, fp8=fp8, fp8_recipe=recipe, data=data(), extra=[curve],
+                              **recipe_kw)
+                curves[name] = run if "error" in run else {"loss": curve.values(), "step_s": run["step_s"]}
+                report("loss_curves_partial", {n: c["loss"][::5] if "loss" in c else c for n, c in curves.items()})
             ref = curves.get("bf16-mixed", {}).get("loss")
             summary = {n: curve_difference(c["loss"], ref) for n, c in curves.items() if ref and "loss" in c}
             report("loss_curves", {"steps": args.curve_steps, "vs_bf16_mixed": summary,
@@ -571,6 +576,8 @@ def main() -> None:
             extractor = FeatureExtractor(model, [1, 9, 17, 25, 33], 36, final_hidden=distills).cuda()
             recipe_budget, recipe_anchors = (int(v) for v in args.recipe_shape.split(","))
             shapes = list(dict.fromkeys([(args.token_budget, args.anchors), (recipe_budget, recipe_anchors)]))
+            if args.pipeline_fp8:
+                best_fp8 = dict(zip(("fp8", "fp8_recipe"), args.pipeline_fp8.split(":"), strict=True))
             drafter_modes = [("bf16", "none", "rowwise")]
             if best_fp8 and "pipeline_fit" not in skip:
                 drafter_modes.append(("fp8", best_fp8["fp8"], best_fp8["fp8_recipe"]))
@@ -593,7 +600,8 @@ def main() -> None:
                         "peak_gb": pipe["peak_gb"], "recompiles_after_warmup": pipe["recompiles_after_warmup"],
                         "host_syncs": pipe["host_syncs"], "steps": args.warmup + args.pipeline_steps}
 
-            for target_kind in ("bf16", "fp8") if "fp8_target" not in skip else ("bf16",):
+            kinds = [k for k in args.pipeline_targets.split(",") if k == "bf16" or "fp8_target" not in skip]
+            for target_kind in kinds:
                 if target_kind == "fp8":
                     extractor.quantize_fp8()
                     features = extractor(sample["input_ids"], sample["position_ids"])
