@@ -296,6 +296,17 @@ class StageTimeout(Exception):
     """A benchmark part ran past `--stage-timeout`; carries the main thread's stack at that moment."""
 
 
+def stage_timeout_in(err: BaseException | None) -> StageTimeout | None:
+    """The `StageTimeout` that `err` is or was raised from (torch's compiler wraps errors raised inside it)."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, StageTimeout):
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None
+
+
 def within(seconds: int, fn: Callable, *a, **kw):
     """`fn(*a, **kw)`, interrupted after `seconds` (0: never) by a `StageTimeout` holding the stack it was in."""
     if not seconds:
@@ -387,8 +398,10 @@ def run_fit(target: Path, compile: bool, mode: str | None, warmup: int, measured
     )
     try:
         trainer.fit(module, datamodule=data)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)  # a fit stopped inside the steady steps leaves it on
+    finally:  # a fit stopped inside the steady steps would leave these on for the next configuration
+        torch.cuda.set_sync_debug_mode(0)
+        if getattr(timer, "catcher", None) is not None and timer.steady is None:
+            timer.catcher.__exit__(None, None, None)
     flops = step_flops(module, data.batches[0])
     N = anchors * module.drafter_config.block_size
     return {
@@ -575,26 +588,26 @@ def main() -> None:
     result["bf16_matmul_peak_tflops"] = peak / 1e12
     out = Path(os.environ["OUT"], "bench.json") if os.environ.get("OUT") else None
 
-    def report(key: str, value) -> None:
+    def report(key: str, value, line: dict | None = None) -> None:
         result[key] = value
-        print(json.dumps({key: value}), flush=True)
+        print_line({key: value} if line is None else line)
         if out:  # partial results survive a time limit
             out.write_text(json.dumps(result, indent=2) + "\n")
 
     def progress(row: dict) -> None:
-        """A fit's latest step (or settings) line, printed and kept in the partial results."""
-        result.setdefault("progress", {})[row["run"]] = row
-        report("progress", result["progress"])
+        """A fit's latest step line (and its compiler settings), printed and kept in the partial results."""
+        runs = result.get("progress", {})
+        report("progress", {**runs, row["run"]: {**runs.get(row["run"], {}), **row}}, line=row)
 
     def attempt(fn, *a, **kw) -> dict:
         """A configuration that fails, or runs past --stage-timeout, is reported, not fatal."""
         try:
             return within(args.stage_timeout, fn, *a, **kw)
-        except StageTimeout as err:
-            return {"error": f"StageTimeout: {err}"[:6000]}
         except Exception as err:
             import traceback
 
+            if timeout := stage_timeout_in(err):  # the compiler may have wrapped it
+                return {"error": f"StageTimeout: {timeout}"[:6000]}
             return {"error": f"{type(err).__name__}: {err}"[:2000], "trace": traceback.format_exc()[-3000:]}
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -97,16 +97,15 @@ def test_fp8_target_changes_its_linears_not_the_compiler_settings(tiny_target, m
     if hasattr(quant_api, "_check_hardware_support"):  # torchao refuses the CPU; its CPU matmuls serve this test
         monkeypatch.setattr(quant_api, "_check_hardware_support", lambda *a: None)
     names = ("coordinate_descent_tuning", "coordinate_descent_check_all_directions", "force_fuse_int_mm_with_mul")
-    for name in names:  # restored after the test even if quantizing changes them
-        monkeypatch.setattr(inductor, name, getattr(inductor, name))
     before = [getattr(inductor, name) for name in names], torch.get_float32_matmul_precision()
     extractor = FeatureExtractor.from_pretrained(str(tiny_target), [1, 3], torch.bfloat16)
     vocab = extractor.model.config.vocab_size
     ids, positions = torch.randint(0, vocab, (64,), generator=torch.Generator().manual_seed(0)), torch.arange(64)
     reference = extractor(ids, positions).float()
-    try:
-        features = extractor.quantize_fp8()(ids, positions).float()
-        after = [getattr(inductor, name) for name in names], torch.get_float32_matmul_precision()
+    try:  # the settings are restored after the test even if quantizing changes them
+        with inductor.patch(dict(zip(names, before[0], strict=True))):
+            features = extractor.quantize_fp8()(ids, positions).float()
+            after = [getattr(inductor, name) for name in names], torch.get_float32_matmul_precision()
     finally:
         torch.set_float32_matmul_precision(before[1])
     assert type(extractor.model.layers[0].mlp.up_proj.weight).__name__ == "Float8Tensor"
