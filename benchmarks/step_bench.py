@@ -28,6 +28,10 @@ the co-located pipeline with a bf16 and with an FP8 target at 8192/512 and at th
 (`--recipe-shape`), the FP8 target's feature difference, and the hours of the Qwen3-8B recipe on one 8-GPU
 node from the measured rate (`--mean-tokens`, `--packing-fill`, `--ddp-efficiency`).
 `benchmarks/precision_h200.sh` runs these parts in device calls of at most 10 minutes.
+
+For runs that may not finish: every fit prints a JSON line per step (host seconds, frames compiled) into the
+partial results ($OUT/bench.json), with the compiler settings it started under; `--stage-timeout S` stops a
+configuration after S seconds and reports the stack it was in.
 """
 
 from __future__ import annotations
