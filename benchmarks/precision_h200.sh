@@ -6,12 +6,13 @@
 #                                                       features of the tiny target, and the tiny default trained
 #                                                       on the GPU per precision and seed: val loss, served tau
 # Needs torchao (pip install 'torchao>=0.17'). Writes OUT_DIR/{speed,quality}.json, tiny.json and logs
-# (and $OUT/bench.json, the partial results, where OUT is set).
+# (and $OUT/bench.json, the partial results, where OUT is set). STAGE_TIMEOUT=S stops a part after S seconds
+# and reports the stack it was in.
 set -u -o pipefail
 out=${1:?OUT_DIR}; part=${2:?speed|quality}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/inductor-precision}
-bench="python3 benchmarks/step_bench.py --warmup ${WARMUP:-12} --steps ${STEPS:-30} --pipeline-steps ${PIPE_STEPS:-40}"
+bench="python3 benchmarks/step_bench.py --warmup ${WARMUP:-12} --steps ${STEPS:-30} --pipeline-steps ${PIPE_STEPS:-40} --stage-timeout ${STAGE_TIMEOUT:-0}"
 if [ "$part" = speed ]; then  # everything timed, one run (about 10 minutes)
   $bench --modes "${MODES-default}" --precisions ${PRECISIONS:-bf16-true,bf16-mixed} --fp8 ${FP8:-head:rowwise,all:rowwise,all:tensorwise} \
     --skip eager,warm,curves,tiny_features --out "$out/speed.json" 2>&1 | grep --line-buffered -v Warning > "$out/speed.log"

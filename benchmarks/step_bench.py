@@ -28,6 +28,10 @@ the co-located pipeline with a bf16 and with an FP8 target at 8192/512 and at th
 (`--recipe-shape`), the FP8 target's feature difference, and the hours of the Qwen3-8B recipe on one 8-GPU
 node from the measured rate (`--mean-tokens`, `--packing-fill`, `--ddp-efficiency`).
 `benchmarks/precision_h200.sh` runs these parts in device calls of at most 10 minutes.
+
+For runs that may not finish: every fit prints a JSON line per step (host seconds, frames compiled) into the
+partial results ($OUT/bench.json), with the compiler settings it started under; `--stage-timeout S` stops a
+configuration after S seconds and reports the stack it was in.
 """
 
 from __future__ import annotations
@@ -35,11 +39,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -247,6 +253,84 @@ def _compiled_frames() -> int:
     return int(sum(counters["frames"].values()))
 
 
+def _recompiles() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(sum(counters["recompiles"].values()))
+
+
+def print_line(row: dict) -> None:
+    print(json.dumps(row), flush=True)
+
+
+class StepLog(Callback):
+    """One line per step as it ends: host seconds since the last step ended, frames compiled and recompiled so far.
+
+    No device sync: a step that compiles or autotunes shows at once; steady steps show the host's queueing pace.
+    """
+
+    def __init__(self, run: str, emit: Callable[[dict], None] = print_line) -> None:
+        self.run, self.emit, self.rows = run, emit, []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == 0:
+            self.last = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        now = time.perf_counter()
+        row = {"run": self.run, "step": batch_idx, "host_s": round(now - self.last, 3),
+               "compiled_frames": _compiled_frames(), "recompiles": _recompiles()}
+        self.last = now
+        self.rows.append(row)
+        self.emit(row)
+
+
+def compiler_settings() -> dict:
+    """The process-wide settings a library could change behind a run's back (torchao's quantize_ once did)."""
+    import torch._inductor.config as inductor
+
+    names = ("coordinate_descent_tuning", "coordinate_descent_check_all_directions", "max_autotune",
+             "max_autotune_gemm", "max_autotune_pointwise", "force_fuse_int_mm_with_mul")
+    return {**{name: getattr(inductor, name) for name in names},
+            "float32_matmul_precision": torch.get_float32_matmul_precision(),
+            "recompile_limit": getattr(torch._dynamo.config, "recompile_limit", None)}
+
+
+class StageTimeout(Exception):
+    """A benchmark part ran past `--stage-timeout`; carries the main thread's stack at that moment."""
+
+
+def stage_timeout_in(err: BaseException | None) -> StageTimeout | None:
+    """The `StageTimeout` that `err` is or was raised from (torch's compiler wraps errors raised inside it)."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, StageTimeout):
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def within(seconds: int, fn: Callable, *a, **kw):
+    """`fn(*a, **kw)`, interrupted after `seconds` (0: never) by a `StageTimeout` holding the stack it was in."""
+    if not seconds:
+        return fn(*a, **kw)
+
+    def expire(_signum, frame):
+        import traceback
+
+        stack = "".join(traceback.format_stack(frame)[-25:])
+        raise StageTimeout(f"not done after {seconds} s; innermost frames then:\n{stack}")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        return fn(*a, **kw)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def step_flops(module: DFlashModule, batch: dict[str, torch.Tensor]) -> float:
     """Model FLOPs of one training step on `batch` (see the module docstring)."""
     cfg, hp = module.drafter_config, module.hparams
@@ -291,11 +375,18 @@ def run_fit(target: Path, compile: bool, mode: str | None, warmup: int, measured
             drafter: DrafterConfig | None = None, doc_tokens: tuple[int, int] = (300, 3000),
             objective: str = "ce", loss_weights: str = "dpace",
             precision: str = "bf16-true", fp8: str = "none", fp8_recipe: str = "rowwise",
-            data: LightningDataModule | None = None, extra: list[Callback] = ()) -> dict:
-    """One Trainer.fit (progress bar and CSV logger on, as users run it); timings, memory, recompiles, syncs."""
+            data: LightningDataModule | None = None, extra: list[Callback] = (),
+            progress: Callable[[dict], None] = print_line, name: str = "fit") -> dict:
+    """One Trainer.fit (progress bar and CSV logger on, as users run it); timings, memory, recompiles, syncs.
+
+    Each step's end is passed to `progress` as it happens (`StepLog`), with the compiler settings first.
+    """
     from lightning.pytorch.loggers import CSVLogger
 
     torch._dynamo.reset()
+    settings = compiler_settings()
+    progress({"run": name, "compiler_settings": settings})
+    log = StepLog(name, progress)
     torch.manual_seed(0)  # the same initial drafter for every precision
     module = DFlashModule(
         str(target), drafter or drafter_shape(),
@@ -307,9 +398,14 @@ def run_fit(target: Path, compile: bool, mode: str | None, warmup: int, measured
     trainer = Trainer(
         accelerator="gpu", devices=1, precision=precision, max_steps=warmup + measured + profile_steps,
         logger=CSVLogger(logs), enable_checkpointing=False, gradient_clip_val=1.0, enable_model_summary=False,
-        callbacks=[features, timer, *extra], log_every_n_steps=8,
+        callbacks=[features, timer, log, *extra], log_every_n_steps=8,
     )
-    trainer.fit(module, datamodule=data)
+    try:
+        trainer.fit(module, datamodule=data)
+    finally:  # a fit stopped inside the steady steps would leave these on for the next configuration
+        torch.cuda.set_sync_debug_mode(0)
+        if getattr(timer, "catcher", None) is not None and timer.steady is None:
+            timer.catcher.__exit__(None, None, None)
     flops = step_flops(module, data.batches[0])
     N = anchors * module.drafter_config.block_size
     return {
@@ -321,6 +417,7 @@ def run_fit(target: Path, compile: bool, mode: str | None, warmup: int, measured
         "tflop_per_step": flops / 1e12, "tflops": flops / timer.steady / 1e12, "peak_gb": timer.peak_gb,
         "recompiles_after_warmup": timer.recompiles, "host_syncs": timer.host_syncs(8),
         **({"profile": timer.profile} if timer.profile else {}),
+        "compiler_settings": settings, "step_host_s": [row["host_s"] for row in log.rows[:warmup + 2]],
     }
 
 
@@ -457,6 +554,8 @@ def main() -> None:
     parser.add_argument("--target-attention", default="auto", help="attention of the pipeline's target (auto, sdpa)")
     parser.add_argument("--objective", default="ce", choices=["ce", "kl", "ce+kl"], help="model.objective")
     parser.add_argument("--loss-weights", default="dpace", choices=["decay", "dpace"], help="model.loss_weights")
+    parser.add_argument("--stage-timeout", type=int, default=0,
+                        help="seconds after which one configuration is stopped and reported with its stack (0: none)")
     parser.add_argument("--probe-target", type=Path, default=None, help=argparse.SUPPRESS)  # warm-cache child
     args = parser.parse_args()
     recipe_kw = {"objective": args.objective, "loss_weights": args.loss_weights}
@@ -482,7 +581,7 @@ def main() -> None:
               "shape": {"token_budget": args.token_budget, "anchors": args.anchors, "block": 16, "layers": 5,
                         "layer_types": shape["drafter"].layer_types, "sliding_window": shape["drafter"].sliding_window,
                         "doc_tokens": list(doc_tokens), "target_attention": args.target_attention, **QWEN3_8B},
-              **recipe_kw}
+              **recipe_kw, "compiler_settings": compiler_settings()}
     try:
         import torchao
 
@@ -493,19 +592,26 @@ def main() -> None:
     result["bf16_matmul_peak_tflops"] = peak / 1e12
     out = Path(os.environ["OUT"], "bench.json") if os.environ.get("OUT") else None
 
-    def report(key: str, value) -> None:
+    def report(key: str, value, line: dict | None = None) -> None:
         result[key] = value
-        print(json.dumps({key: value}), flush=True)
+        print_line({key: value} if line is None else line)
         if out:  # partial results survive a time limit
             out.write_text(json.dumps(result, indent=2) + "\n")
 
+    def progress(row: dict) -> None:
+        """A fit's latest step line (and its compiler settings), printed and kept in the partial results."""
+        runs = result.get("progress", {})
+        report("progress", {**runs, row["run"]: {**runs.get(row["run"], {}), **row}}, line=row)
+
     def attempt(fn, *a, **kw) -> dict:
-        """A configuration that fails is reported, not fatal."""
+        """A configuration that fails, or runs past --stage-timeout, is reported, not fatal."""
         try:
-            return fn(*a, **kw)
+            return within(args.stage_timeout, fn, *a, **kw)
         except Exception as err:
             import traceback
 
+            if timeout := stage_timeout_in(err):  # the compiler may have wrapped it
+                return {"error": f"StageTimeout: {timeout}"[:6000]}
             return {"error": f"{type(err).__name__}: {err}"[:2000], "trace": traceback.format_exc()[-3000:]}
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -522,7 +628,7 @@ def main() -> None:
             profile = 3 if (i == 0 or fp8 != "none") and "profile" not in skip else 0
             runs[name] = attempt(run_fit, target, True, None if mode == "default" else mode, args.warmup, args.steps,
                                  RandomFeatures(), logs, profile_steps=profile, precision=precision, fp8=fp8,
-                                 fp8_recipe=recipe, **shape, **recipe_kw)
+                                 fp8_recipe=recipe, **shape, **recipe_kw, progress=progress, name=name)
             if "tflops" in runs[name]:
                 runs[name]["mfu"] = runs[name]["tflops"] * 1e12 / peak
             if i == 0:
@@ -555,7 +661,7 @@ def main() -> None:
                 name = f"{precision}" + (f"[fp8={fp8},{recipe}]" if fp8 != "none" else "")
                 run = attempt(run_fit, target, True, None, 8, args.curve_steps - 8, ShiftedTokenFeatures(), logs,
                               precision=precision, fp8=fp8, fp8_recipe=recipe, data=data(), extra=[curve],
-                              **recipe_kw)
+                              **recipe_kw, progress=progress, name=f"curve {name}")
                 curves[name] = run if "error" in run else {"loss": curve.values(), "step_s": run["step_s"]}
                 report("loss_curves_partial", {n: c["loss"][::5] if "loss" in c else c for n, c in curves.items()})
             ref = curves.get("bf16-mixed", {}).get("loss")
@@ -584,8 +690,9 @@ def main() -> None:
             sample = {k: v.cuda() for k, v in random_batch(8192, 64, 0).items()}
             pipelines, reference = {}, extractor(sample["input_ids"], sample["position_ids"])
 
-            def pipeline(budget: int, anchors: int, fp8: str, recipe: str) -> dict:
+            def pipeline(budget: int, anchors: int, fp8: str, recipe: str, name: str) -> dict:
                 t_rate = target_rate(extractor, budget, doc_tokens=doc_tokens)
+                progress({"run": name, "target_tokens_per_s": t_rate})  # before the fit, which may not finish
                 if "pipeline_fit" in skip:  # the target's rate alone
                     return {"token_budget": budget, "target_tokens_per_s": t_rate}
                 callback = TargetFeatures(str(target))
@@ -594,7 +701,8 @@ def main() -> None:
                 pipe = run_fit(target, True, None, args.warmup, args.pipeline_steps, callback, logs,
                                **{**shape, "token_budget": budget, "anchors": anchors}, **recipe_kw,
                                precision="bf16-mixed", fp8=fp8, fp8_recipe=recipe,
-                               data=RandomData(budget, steps=steps, doc_tokens=doc_tokens))
+                               data=RandomData(budget, steps=steps, doc_tokens=doc_tokens), progress=progress,
+                               name=name)
                 return {"token_budget": budget, "anchors": anchors, "drafter_fp8": fp8, "target_tokens_per_s": t_rate,
                         "pipeline_tokens_per_s": pipe["context_tokens_per_s"], "step_s": pipe["step_s"],
                         "peak_gb": pipe["peak_gb"], "recompiles_after_warmup": pipe["recompiles_after_warmup"],
@@ -605,6 +713,7 @@ def main() -> None:
                 if target_kind == "fp8":
                     extractor.quantize_fp8()
                     features = extractor(sample["input_ids"], sample["position_ids"])
+                    report("compiler_settings_after_fp8_target", compiler_settings())
                     report("fp8_target_feature_difference", {
                         "rel_diff_per_layer": feature_difference(features, reference, 5), "layers": [1, 9, 17, 25, 33],
                         "weights": "random (Qwen3-8B shape)"})
@@ -613,7 +722,7 @@ def main() -> None:
                         if "pipeline_fit" not in skip and (target_kind == "fp8") != (kind == "fp8"):
                             continue  # bf16 drafter with bf16 target; FP8 drafter with FP8 target
                         name = f"{budget}/{anchors}[target={target_kind},drafter={kind}]"
-                        pipelines[name] = attempt(pipeline, budget, anchors, fp8, recipe)
+                        pipelines[name] = attempt(pipeline, budget, anchors, fp8, recipe, name)
                         report("colocated_pipeline", pipelines)
             for kind in ("bf16", "fp8"):
                 row = pipelines.get(f"{recipe_budget}/{recipe_anchors}[target={kind},drafter={kind}]", {})

@@ -76,7 +76,11 @@ def quantize_model(model: nn.Module, recipe: Recipe = "rowwise") -> nn.Module:
     """A frozen model's linear layers in FP8, weights and dynamically scaled activations (torchao `quantize_`)."""
     from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, quantize_
 
-    config = Float8DynamicActivationFloat8WeightConfig(granularity=_granularity(recipe), activation_value_lb=AMAX_FLOOR)
+    # Left on, torchao turns on inductor's coordinate-descent tuning (and, in 0.17, TF32 matmuls) process-wide: every
+    # later compile, the drafter's too, would then benchmark configurations of each Triton kernel, unasked.
+    config = Float8DynamicActivationFloat8WeightConfig(
+        granularity=_granularity(recipe), activation_value_lb=AMAX_FLOOR, set_inductor_config=False
+    )
     quantize_(model, config, filter_fn=_fp8_shaped)
     return model
 

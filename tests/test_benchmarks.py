@@ -55,3 +55,40 @@ def test_objective_ab_run_config_moves_every_output_and_sets_the_recipe(tmp_path
     text = yaml.safe_dump(cfg)
     assert "runs/tiny" not in text and text.count(str(tmp_path / "run")) == 4  # root, 2 loggers, checkpoints
     assert base["model"]["objective"] == "ce"  # the base config is left as it was
+
+
+def test_step_bench_diagnostics_report_steps_settings_and_where_a_stage_stalled():
+    """What makes a stalled GPU run readable: a line per step, the compiler settings, a timeout with its stack."""
+    import time
+
+    import pytest
+    import torch._inductor.config as inductor
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from step_bench import StageTimeout, StepLog, compiler_settings, stage_timeout_in, within
+
+    rows = []
+    log = StepLog("pipe", rows.append)
+    for step in range(3):
+        log.on_train_batch_start(None, None, None, step)
+        log.on_train_batch_end(None, None, None, None, step)
+    assert [r["step"] for r in rows] == [0, 1, 2] and all(r["run"] == "pipe" and r["host_s"] >= 0 for r in rows)
+    assert all(isinstance(r["compiled_frames"], int) and isinstance(r["recompiles"], int) for r in rows)
+
+    with inductor.patch(coordinate_descent_tuning=True):
+        assert compiler_settings()["coordinate_descent_tuning"] is True
+
+    def autotuning_forever():
+        end = time.monotonic() + 10  # bounded, so a broken timeout fails the test instead of hanging it
+        while time.monotonic() < end:
+            time.sleep(0.01)
+
+    start = time.monotonic()
+    with pytest.raises(StageTimeout, match="(?s)not done after 1 s.*autotuning_forever") as caught:
+        within(1, autotuning_forever)
+    assert time.monotonic() - start < 5
+    try:  # as torch's compiler re-raises an error from inside it
+        raise RuntimeError("backend compiler failed") from caught.value
+    except RuntimeError as wrapped:
+        assert stage_timeout_in(wrapped) is caught.value and stage_timeout_in(RuntimeError()) is None
+    assert within(1, lambda x: x + 1, 1) == 2 and within(0, lambda: "no limit") == "no limit"

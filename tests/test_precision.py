@@ -13,7 +13,7 @@ from test_module import batch_with_features, make_module
 from dflash_lightning.cli import cli_main
 from dflash_lightning.config import ConfigError
 from dflash_lightning.fp8 import require_fp8
-from dflash_lightning.target import TargetFeatures
+from dflash_lightning.target import FeatureExtractor, TargetFeatures
 
 
 def test_bf16_mixed_clips_by_norm_with_the_fused_adamw(tiny_target):
@@ -85,6 +85,32 @@ def test_fp8_head_and_linears_follow_the_bf16_loss(tiny_target, monkeypatch):
     assert fp8.drafter.head_fp8 is not None
     torch.testing.assert_close(losses[1], losses[0], rtol=2e-2, atol=0)
     assert torch.nn.functional.cosine_similarity(grads[0].flatten(), grads[1].flatten(), dim=0) > 0.95
+
+
+def test_fp8_target_changes_its_linears_not_the_compiler_settings(tiny_target, monkeypatch):
+    """Quantizing the target leaves inductor's tuning and the fp32 matmul precision as they were: torchao's
+    defaults turn on coordinate-descent tuning for every later compile (the drafter's FP8 pipeline stalled)."""
+    pytest.importorskip("torchao")
+    import torch._inductor.config as inductor
+    from torchao.quantization import quant_api
+
+    if hasattr(quant_api, "_check_hardware_support"):  # torchao refuses the CPU; its CPU matmuls serve this test
+        monkeypatch.setattr(quant_api, "_check_hardware_support", lambda *a: None)
+    names = ("coordinate_descent_tuning", "coordinate_descent_check_all_directions", "force_fuse_int_mm_with_mul")
+    before = [getattr(inductor, name) for name in names], torch.get_float32_matmul_precision()
+    extractor = FeatureExtractor.from_pretrained(str(tiny_target), [1, 3], torch.bfloat16)
+    vocab = extractor.model.config.vocab_size
+    ids, positions = torch.randint(0, vocab, (64,), generator=torch.Generator().manual_seed(0)), torch.arange(64)
+    reference = extractor(ids, positions).float()
+    try:  # the settings are restored after the test even if quantizing changes them
+        with inductor.patch(dict(zip(names, before[0], strict=True))):
+            features = extractor.quantize_fp8()(ids, positions).float()
+            after = [getattr(inductor, name) for name in names], torch.get_float32_matmul_precision()
+    finally:
+        torch.set_float32_matmul_precision(before[1])
+    assert type(extractor.model.layers[0].mlp.up_proj.weight).__name__ == "Float8Tensor"
+    assert ((features - reference).norm() / reference.norm()).item() < 0.1
+    assert after == before
 
 
 def test_served_decoding_sees_plain_linears_over_the_same_weights(tiny_target, monkeypatch):
