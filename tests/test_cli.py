@@ -67,6 +67,8 @@ def test_fit_runs_through_the_cli_and_logs(run_config):
     assert logged["val/speculative_mismatches"] == 0  # served decoding is lossless
     metrics_csv = next(Path(trainer.default_root_dir).rglob("metrics.csv"))
     assert "train/acc/slot_01" in metrics_csv.read_text().splitlines()[0]
+    events = next(Path(trainer.default_root_dir).rglob("events.out.tfevents.*"))
+    assert events.parent == metrics_csv.parent  # one version_N per run for both loggers
     ckpt = next(Path(trainer.default_root_dir).rglob("*.ckpt"))
     assert ckpt.exists()
 

@@ -77,6 +77,10 @@ class DFlashCLI(LightningCLI):
         for cb in trainer.checkpoint_callbacks:
             if isinstance(cb, ModelCheckpoint) and cb.dirpath is None:  # version_N/ would change on every start
                 cb.dirpath = str(Path(trainer.default_root_dir, "checkpoints").resolve())
+        for logger in trainer.loggers:
+            # Each logger picks the next free version_N when first asked; asked here, before any of them writes,
+            # loggers sharing a folder (TensorBoard and CSV in the configs) land in the same version_N.
+            _ = logger.version
         return trainer
 
     def _names_checkpoint_io(self) -> bool:
@@ -96,6 +100,7 @@ class DFlashCLI(LightningCLI):
                 log.warning(f"resuming from {found}, the newest complete checkpoint (--preemption.resume=never: fresh)")
                 ckpt_path = str(found)
         self.trainer.fit(model, ckpt_path=ckpt_path, **kwargs)
+
     def before_fit(self) -> None:
         """Refuse what the device cannot run (FP8 off Hopper-class GPUs) before the target is loaded."""
         self.model.check_device(self.trainer.strategy.root_device)
