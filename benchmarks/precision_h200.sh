@@ -1,21 +1,29 @@
 #!/usr/bin/env bash
-# Precision and FP8 on one H200 (issues 14 and 17), in two parts that fit one device call each:
+# Precision and FP8 on one H200 (issues 14 and 17), in parts that fit one device call each:
 #   bash benchmarks/precision_h200.sh OUT_DIR speed     drafter step bf16-true / bf16-mixed / FP8, co-located
 #                                                       pipelines (8192/512 and the recipe's 3072/512), projection
-#   bash benchmarks/precision_h200.sh OUT_DIR quality   loss curves bf16 vs FP8 on the same batches, FP8 target
-#                                                       features of the tiny target, and the tiny default trained
-#                                                       on the GPU per precision and seed: val loss, served tau
+#   bash benchmarks/precision_h200.sh OUT_DIR pipelines the co-located pipelines only: bf16 target + bf16 drafter and
+#                                                       FP8 target + FP8 drafter (PIPE_FP8, all:tensorwise), both shapes
+#   bash benchmarks/precision_h200.sh OUT_DIR quality   loss curves bf16 vs FP8 on the same batches (CURVES=1; with
+#                                                       CURVE_SKIP= also the tiny target's FP8 features), and the tiny
+#                                                       default trained on the GPU per precision and seed (RUNS or
+#                                                       SEEDS x ARMS): val loss, served tau
 # Needs torchao (pip install 'torchao>=0.17'). Writes OUT_DIR/{speed,quality}.json, tiny.json and logs
 # (and $OUT/bench.json, the partial results, where OUT is set). STAGE_TIMEOUT=S stops a part after S seconds
 # and reports the stack it was in.
 set -u -o pipefail
-out=${1:?OUT_DIR}; part=${2:?speed|quality}
+out=${1:?OUT_DIR}; part=${2:?speed|pipelines|quality}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/inductor-precision}
 bench="python3 benchmarks/step_bench.py --warmup ${WARMUP:-12} --steps ${STEPS:-30} --pipeline-steps ${PIPE_STEPS:-40} --stage-timeout ${STAGE_TIMEOUT:-0}"
 if [ "$part" = speed ]; then  # everything timed, one run (about 10 minutes)
   $bench --modes "${MODES-default}" --precisions ${PRECISIONS:-bf16-true,bf16-mixed} --fp8 ${FP8:-head:rowwise,all:rowwise,all:tensorwise} \
     --skip eager,warm,curves,tiny_features --out "$out/speed.json" 2>&1 | grep --line-buffered -v Warning > "$out/speed.log"
+  exit
+fi
+if [ "$part" = pipelines ]; then  # the co-located pipelines alone, bf16 and FP8 in one run (about 5 minutes)
+  $bench --skip step,eager,warm,curves,tiny_features --pipeline-fp8 ${PIPE_FP8:-all:tensorwise} \
+    --out "$out/pipelines.json" 2>&1 | grep --line-buffered -v Warning > "$out/pipelines.log"
   exit
 fi
 repo=$PWD
@@ -34,7 +42,7 @@ if [ "$part" = speed2 ]; then  # FP8 drafter steps against bf16-mixed, and the t
     --skip eager,warm,curves,pipeline_fit --out "$out/speed2.json" 2>&1 | grep --line-buffered -v Warning > "$out/speed2.log"
   exit
 fi
-[ -n "${CURVES:-}" ] && $bench --skip step,pipeline,eager,warm --curve-steps ${CURVE_STEPS:-200} \
+[ -n "${CURVES:-}" ] && $bench --skip step,pipeline,eager,warm,${CURVE_SKIP:-tiny_features} --curve-steps ${CURVE_STEPS:-200} \
   --curves ${CURVE_MODES:-bf16-true,bf16-mixed,head:rowwise,all:tensorwise} --out "$out/quality.json" 2>&1 \
   | grep --line-buffered -v Warning > "$out/quality.log" &
 runs=${RUNS:-$(for s in ${SEEDS:-0 1}; do for a in ${ARMS:-true mixed fp8head fp8all}; do echo "$a:$s"; done; done)}
