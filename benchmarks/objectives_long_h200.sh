@@ -8,9 +8,9 @@ export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/inductor-objectiv
 step="--modes= --precisions bf16-mixed --fp8= --warmup 12 --steps 30"
 skip="eager,warm,curves,tiny_features,profile,pipeline"
 bench() { name=$1; shift; mkdir -p "$out/$name"; OUT="$out/$name" python benchmarks/step_bench.py "$@" --out "$out/$name.json"; }
-bench ce $step --skip $skip --objective ce
-bench kl $step --skip $skip --objective kl
-bench long --modes= --precisions bf16-mixed --fp8= --warmup 8 --steps 20 --pipeline-steps 20 --token-budget 32768 \
+bench ce $step --skip $skip --objective ce --loss-weights decay
+bench kl $step --skip $skip --objective kl --loss-weights decay
+bench long --loss-weights decay --modes= --precisions bf16-mixed --fp8= --warmup 8 --steps 20 --pipeline-steps 20 --token-budget 32768 \
     --anchors 2048 --sliding-layers 4 --sliding-window 2048 --doc-tokens 4096,32768 --recipe-shape 32768,2048 \
     --skip eager,warm,curves,tiny_features,profile,fp8_target
 bench dpace $step --skip $skip --loss-weights dpace
