@@ -26,17 +26,22 @@ def write_conversations(path: Path, n: int, seed: int = 0) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def run_config(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("cli")
-    target = make_target(root / "target", layers=4, hidden=32, heads=2, kv_heads=1)
+def small_config(root: Path, train_rows: int, val_rows: int = 0) -> dict:
+    """configs/tiny.yaml on a 4-layer, 32-wide target and written conversations: 256-token rows, 16 anchors, B = 8."""
     config = yaml.safe_load((CONFIGS / "tiny.yaml").read_text())
-    config["target"]["path"] = str(target)
-    config["data"].update(train_files=[str(write_conversations(root / "train.jsonl", 40))],
-                          val_files=[str(write_conversations(root / "val.jsonl", 8, seed=1))],
+    config["target"]["path"] = str(make_target(root / "target", layers=4, hidden=32, heads=2, kv_heads=1))
+    val = [str(write_conversations(root / "val.jsonl", val_rows, seed=1))] if val_rows else None
+    config["data"] = dict(train_files=[str(write_conversations(root / "train.jsonl", train_rows))], val_files=val,
                           token_budget=256, max_documents=8)
     config["model"].update(num_anchors=16)
     config["model"]["drafter"].update(num_layers=1, block_size=8)
+    return config
+
+
+@pytest.fixture(scope="module")
+def run_config(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("cli")
+    config = small_config(root, 40, 8)
     config["trainer"].update(default_root_dir=str(root / "runs"), max_steps=4, val_check_interval=2,
                              limit_val_batches=2, log_every_n_steps=1)
     for logger in config["trainer"]["logger"]:

@@ -11,7 +11,7 @@ import pytest
 import torch
 import yaml
 from conftest import make_target
-from test_cli import CONFIGS, write_conversations
+from test_cli import small_config
 
 from dflash_lightning.blocks import anchor_seed
 from dflash_lightning.cli import cli_main
@@ -22,13 +22,8 @@ from dflash_lightning.resume import RECORD_KEY, ResumeError, compare
 def resume_config(tmp_path_factory) -> Path:
     """A tiny run of 5 packed rows per epoch, losses logged every step, a checkpoint after every step."""
     root = tmp_path_factory.mktemp("resume")
-    target = make_target(root / "target", layers=4, hidden=32, heads=2, kv_heads=1)
-    config = yaml.safe_load((CONFIGS / "tiny.yaml").read_text())
-    config["target"]["path"] = str(target)
-    config["data"] = dict(train_files=[str(write_conversations(root / "train.jsonl", 12))], val_files=None,
-                          token_budget=256, max_documents=8)
-    config["model"].update(num_anchors=16, metrics_every=1)
-    config["model"]["drafter"].update(num_layers=1, block_size=8)
+    config = small_config(root, 12)
+    config["model"]["metrics_every"] = 1
     config["trainer"].update(max_steps=8, log_every_n_steps=1, limit_val_batches=0, val_check_interval=None,
                              check_val_every_n_epoch=None, enable_progress_bar=False, enable_model_summary=False)
     config["trainer"]["callbacks"] = [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
