@@ -592,16 +592,20 @@ def main() -> None:
     result["bf16_matmul_peak_tflops"] = peak / 1e12
     out = Path(os.environ["OUT"], "bench.json") if os.environ.get("OUT") else None
 
-    def report(key: str, value, line: dict | None = None) -> None:
+    written = [0.0]  # when the partial results were last written
+
+    def report(key: str, value, line: dict | None = None, every_s: float = 0.0) -> None:
         result[key] = value
         print_line({key: value} if line is None else line)
-        if out:  # partial results survive a time limit
+        if out and time.monotonic() - written[0] >= every_s:  # partial results survive a time limit
             out.write_text(json.dumps(result, indent=2) + "\n")
+            written[0] = time.monotonic()
 
     def progress(row: dict) -> None:
-        """A fit's latest step line (and its compiler settings), printed and kept in the partial results."""
+        """A fit's latest step line (and its compiler settings), printed; kept in the partial results every 5 s,
+        so the timed steps do not rewrite the whole file each."""
         runs = result.get("progress", {})
-        report("progress", {**runs, row["run"]: {**runs.get(row["run"], {}), **row}}, line=row)
+        report("progress", {**runs, row["run"]: {**runs.get(row["run"], {}), **row}}, line=row, every_s=5.0)
 
     def attempt(fn, *a, **kw) -> dict:
         """A configuration that fails, or runs past --stage-timeout, is reported, not fatal."""
