@@ -16,6 +16,7 @@ from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 from dflash_lightning.checkpointing import (
     AtomicCheckpointIO,
@@ -78,9 +79,11 @@ class DFlashCLI(LightningCLI):
             if isinstance(cb, ModelCheckpoint) and cb.dirpath is None:  # version_N/ would change on every start
                 cb.dirpath = str(Path(trainer.default_root_dir, "checkpoints").resolve())
         for logger in trainer.loggers:
-            # Each logger picks the next free version_N when first asked; asked here, before any of them writes,
-            # loggers sharing a folder (TensorBoard and CSV in the configs) land in the same version_N.
-            _ = logger.version
+            # Folder loggers pick the next free version_N when first asked; asked here, before any of them writes,
+            # the ones sharing a folder (TensorBoard and CSV in the configs) land in the same version_N. Others
+            # (MLflow, W&B) are left alone: asking theirs would start their run now.
+            if isinstance(logger, (TensorBoardLogger, CSVLogger)):
+                _ = logger.version
         return trainer
 
     def _names_checkpoint_io(self) -> bool:
