@@ -56,8 +56,10 @@ def test_fp8_is_refused_off_fp8_gpus_naming_the_option(monkeypatch):
 def test_fp8_through_the_cli_on_cpu_stops_before_the_target_loads(run_config, monkeypatch):  # noqa: F811
     loaded = []
     monkeypatch.setattr(TargetFeatures, "load_extractor", lambda *a: loaded.append(a))
-    with pytest.raises(ConfigError, match="model.fp8=all"):
-        cli_main(["fit", "--config", str(run_config), "--model.fp8=all"])
+    with pytest.raises(ConfigError, match="model.fp8=head needs trainer.precision bf16-mixed, not 32-true"):
+        cli_main(["fit", "--config", str(run_config), "--model.fp8=head"])  # the config's precision
+    with pytest.raises(ConfigError, match="model.fp8=all: FP8 needs a CUDA GPU"):
+        cli_main(["fit", "--config", str(run_config), "--model.fp8=all", "--trainer.precision=bf16-mixed"])
     with pytest.raises(ConfigError, match="target.fp8"):
         cli_main(["fit", "--config", str(run_config), "--target.fp8=true"])
     assert not loaded

@@ -106,7 +106,7 @@ class DFlashCLI(LightningCLI):
 
     def before_fit(self) -> None:
         """Refuse what the device cannot run (FP8 off Hopper-class GPUs) before the target is loaded."""
-        self.model.check_device(self.trainer.strategy.root_device)
+        self.model.check_device(self.trainer.strategy.root_device, self.trainer.precision_plugin.precision)
 
     before_validate = before_fit
 
