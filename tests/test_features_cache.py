@@ -18,7 +18,7 @@ from test_cli import CONFIGS, write_conversations
 import dflash_lightning.data.feature_cache as fc
 import dflash_lightning.data.feature_cache_writer as fcw
 from dflash_lightning.cli import cli_main
-from dflash_lightning.config import DrafterConfig
+from dflash_lightning.config import ConfigError, DrafterConfig
 from dflash_lightning.data import DFlashDataModule
 from dflash_lightning.data.feature_cache import FeatureCache, FeatureCacheError, dequantize, quantize_fp8
 from dflash_lightning.module import DFlashModule
@@ -133,6 +133,9 @@ def test_cache_with_final_hidden_states_round_trips_and_feeds_distillation(setup
     cli = cli_main(["fit", "--config", setup["config"], f"--data.feature_cache={out}", "--model.objective=kl",
                     "--trainer.max_steps=2", "--trainer.limit_val_batches=0", f"--trainer.default_root_dir={tmp_path}"])
     assert cli.trainer.global_step == 2
+    with pytest.raises(ConfigError, match="target.fp8: data.feature_cache .* serves stored features"):
+        cli_main(["fit", "--config", setup["config"], f"--data.feature_cache={out}", "--target.fp8=true",
+                  "--target.dtype=bfloat16", f"--trainer.default_root_dir={tmp_path}"])
     with pytest.raises(FeatureCacheError, match="has no final_hidden .* --final_hidden true"):
         cli_main(["fit", "--config", setup["config"], f"--data.feature_cache={setup['root'] / 'bf16'}",
                   "--model.objective=kl", "--trainer.max_steps=1", f"--trainer.default_root_dir={tmp_path}"])

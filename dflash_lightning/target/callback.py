@@ -69,7 +69,11 @@ class TargetFeatures(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if self.extractor is not None or self.extractors:
             return
-        if getattr(trainer.datamodule, "hparams", {}).get("feature_cache"):
+        cache = getattr(trainer.datamodule, "hparams", {}).get("feature_cache")
+        if cache and self.fp8:  # the cache's features came from the target it was written with
+            raise ConfigError(f"target.fp8: data.feature_cache {cache} serves stored features, no target runs; "
+                              "drop target.fp8 (FP8 target features are not cached)")
+        if cache:
             return  # the data module serves cached context features; no target is needed
         layer_ids = pl_module.drafter_config.target_layer_ids
         # Distillation's teacher is the target's final normed hidden state: then the whole target runs.
