@@ -142,3 +142,15 @@ def test_weight_map_reads_an_index_or_one_file_and_names_a_folder_without_weight
     assert weight_map(tmp_path) == {"a": "part-1.safetensors"}
     with pytest.raises(FileNotFoundError, match=r"empty: no model\.safetensors or model\.safetensors\.index\.json"):
         weight_map(tmp_path / "empty")
+
+
+def test_a_target_with_sliding_window_layers_is_refused():
+    from transformers import AutoModel, Qwen3Config
+
+    shape = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
+                 num_key_value_heads=1)
+    config = Qwen3Config(**shape, use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    sliding = AutoModel.from_config(config)
+    with pytest.raises(ValueError, match=r"target: layers \[1, 2\] are 'sliding_attention'"):
+        FeatureExtractor(sliding, [1], 3)
+    FeatureExtractor(AutoModel.from_config(Qwen3Config(**shape)), [1], 3)  # all full attention: accepted

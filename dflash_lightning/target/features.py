@@ -14,6 +14,7 @@ from torch import Tensor, nn
 from torch.nn.attention.flex_attention import BlockMask
 
 from dflash_lightning.blocks import interval_block_mask
+from dflash_lightning.config import ConfigError
 from dflash_lightning.model import masked_attention
 from dflash_lightning.target.loading import decoder_layers, resolve_model_dir
 from dflash_lightning.target.sharded import sharded_model
@@ -31,6 +32,11 @@ class FeatureExtractor(nn.Module):
         self.model, self.layer_ids, self.final_hidden = model, list(layer_ids), final_hidden
         self._captured: dict[int | str, Tensor] = {}
         layers = decoder_layers(model)
+        types = list(getattr(model.config, "layer_types", None) or [])[: len(layers)]
+        sliding = [i for i, kind in enumerate(types) if kind != "full_attention"]
+        if sliding:  # one per-document causal mask serves every layer here: a window would be ignored
+            raise ConfigError(f"target: layers {sliding} are {types[sliding[0]]!r}; features of targets with "
+                              "sliding-window layers would not match what they serve, and are not supported")
         # hidden_states[L] in HF numbering is normed: the last layer's feature is the final norm's output.
         last, norm = num_target_layers - 1, getattr(model, "norm", None)
         for j in sorted(set(self.layer_ids)):
