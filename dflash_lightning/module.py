@@ -377,6 +377,10 @@ class DFlashModule(LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self._trainer is not None and self.trainer.training:
+            # A skipped step the host has not read yet (nonfinite: stop, or too many in a row) must stop the run
+            # before a checkpoint records it as a later, trained step. One copy per save.
+            self._check_nonfinite()
         # The resolved drafter config lets export and evaluation work without re-reading the target.
         checkpoint["drafter_config"] = self.drafter_config.to_dict()
         checkpoint[resume.RECORD_KEY] = self.run_record()

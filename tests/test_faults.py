@@ -288,10 +288,14 @@ def test_nan_features_skip_the_update_and_training_goes_on(assets, tmp_path):
 def test_nan_features_under_stop_raise_naming_the_step_and_its_records(assets, tmp_path):
     config = fault_config(assets, tmp_path, max_steps=6, callbacks=poison("stop", [3]))
     with pytest.raises(NonFiniteError, match="at step 3") as err:
-        fit(config, "--model.nonfinite=stop", "--model.metrics_every=2")
+        fit(config, "--model.nonfinite=stop", "--model.metrics_every=4")  # the host reads the counts at step 4
     before, records = EVENTS["stop"][:2]
     assert records and all(r.startswith(f"{assets['train']}:") for r in records)  # file:line of each record
     assert ", ".join(records) in str(err.value)
+    # The save after step 3 (every 2 steps) came before that read: refused, so no checkpoint passes the bad step
+    # off as trained (a resume from it would go on as if nothing had happened).
+    saved = [load_checkpoint(f)["global_step"] for f in (tmp_path / "checkpoints").glob("*.ckpt")]
+    assert saved and max(saved) <= 3, saved
 
 
 def test_too_many_nonfinite_steps_in_a_row_stop_the_run(assets, tmp_path):
