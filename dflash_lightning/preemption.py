@@ -97,6 +97,8 @@ class Preemption(Callback):
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        if trainer.fit_loop.epoch_loop._should_accumulate():
+            return  # inside a gradient accumulation: its gradients are not saved, so stop at the optimizer step
         signum = self._agreed_signal()
         if not signum:
             return

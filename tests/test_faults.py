@@ -185,6 +185,18 @@ def test_sigusr1_and_sigint_save_the_step_and_exit_with_a_retry_code(assets, tmp
         assert steps_in(aside) == {"last.ckpt": 3, "step=2.ckpt": 2, "step=3.ckpt": 3}
 
 
+def test_a_signal_inside_a_gradient_accumulation_saves_at_the_next_optimizer_step(assets, tmp_path):
+    """Signalled in the first of two micro-batches of step 3: the checkpoint is of step 4, on a step boundary (a
+    resume from half an accumulation would step on the other half alone)."""
+    config = fault_config(assets, tmp_path, max_steps=6, callbacks=[
+        {"class_path": "test_faults.SendSignal", "init_args": {"signum": int(signal.SIGUSR1), "at_step": 3}}])
+    with pytest.raises(Preempted):
+        fit(config, "--trainer.accumulate_grad_batches=2")
+    last = load_checkpoint(tmp_path / "checkpoints" / "last.ckpt")
+    assert last["global_step"] == 4
+    assert last["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]["ready"] % 2 == 0
+
+
 def _agree(rank: int, port: int, out: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
