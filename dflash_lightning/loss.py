@@ -88,9 +88,6 @@ class _HeadLoss(torch.autograd.Function):
                 top.append(logits.topk(topk, dim=-1).indices)
             probs = torch.exp(logits - lse)
             d_logits, row_loss = None, ce * ce_coef  # d objective / d logits, per row  # [rows, V]
-            if ce_coef:
-                d_logits = probs.clone() if settings.distills else probs  # distillation reads probs again
-                d_logits.scatter_add_(1, y, -torch.ones_like(probs[:, :1]))  # softmax - onehot
             if settings.distills:
                 t_logits = F.linear(teacher[teacher_rows[start:end]].to(head.dtype), head).to(acc) / tau  # [rows, V]
                 log_p = t_logits - torch.logsumexp(t_logits, dim=-1, keepdim=True)
@@ -103,8 +100,10 @@ class _HeadLoss(torch.autograd.Function):
                 p = torch.exp(log_p)
                 # tau**2 keeps the gradient's scale independent of the temperature (Hinton et al.).
                 row_loss = row_loss + tau * tau * (p * (log_p - log_q)).sum(-1)
-                d_kl = tau * (q - p)
-                d_logits = d_kl if d_logits is None else d_logits + d_kl
+                d_logits = tau * (q - p)
+            if ce_coef:  # softmax - onehot, added in place last: nothing reads probs after it
+                d_logits = probs if d_logits is None else d_logits.add_(probs)
+                d_logits.scatter_add_(1, y, -torch.ones_like(probs[:, :1]))
             total = total + (row_loss * w).sum()
             grad[start:end] = F.linear((d_logits * w[:, None]).to(head.dtype), head_t).to(grad.dtype)
         ctx.save_for_backward(grad)
