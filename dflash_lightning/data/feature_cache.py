@@ -10,7 +10,7 @@ Layout of `out/`:
         input_ids  [tokens] int32;  loss_mask [tokens] bool;  starts [samples + 1] int64 (offsets in the shard)
         final_hidden  [tokens, H] bf16, the target's final normed hidden state (distillation's teacher, DFLASH.md
             section 4c); only in a cache whose manifest has `final_hidden: true`
-        crc32      [samples] int64: each sample's stored bytes, checked whenever the reader serves the sample
+        crc32      [samples] int64: each sample's stored bytes, checked when a reader first serves the sample
     progress-rank{r}.json     shards a rank finished while the run is in progress (merged at the end)
 """
 
@@ -212,6 +212,7 @@ class SplitFeatures:
         self.feature_format, self.feature_dim, self.hidden_size = feature_format, feature_dim, hidden_size
         self.firsts = [s["first"] for s in shards]
         self._open: OrderedDict[int, Shard] = OrderedDict()  # least recently used first
+        self._checked: dict[int, bytearray] = {}  # per shard, 1 for each sample whose crc32 this process checked
 
     def __getstate__(self) -> dict[str, Any]:  # DataLoader workers map the shards themselves
         return {**self.__dict__, "_open": OrderedDict()}
@@ -228,18 +229,23 @@ class SplitFeatures:
 
     def document(self, i: int) -> dict[str, Tensor]:
         """Views of sample i's stored tensors: features [n, K*H] (+ scales [n]), input_ids, loss_mask, and
-        final_hidden [n, H] if this reader reads them; the bytes are checked against the sample's crc32 first
-        (flipped bytes are refused naming the shard)."""
+        final_hidden [n, H] if this reader reads them; the bytes are checked against the sample's crc32 the first
+        time this process serves the sample (flipped bytes are refused naming the shard; a crc32 pass costs about
+        as much as the copy into a batch, so later epochs do not repeat it)."""
         k = bisect_right(self.firsts, i) - 1
         shard = self.shard(k).tensors
         starts = shard["starts"]
         j = i - self.firsts[k]
         a, b = int(starts[j]), int(starts[j + 1])
-        if "crc32" in shard and sample_crc32(shard, a, b) != int(shard["crc32"][j]):
-            raise FeatureCacheError(
-                f"feature cache shard {self.folder / self.shards[k]['file']} is corrupt: sample {i} (tokens {a}..{b} "
-                "of the shard) fails its crc32 check. Make the cache again (python -m dflash_lightning cache)"
-            )
+        checked = self._checked.setdefault(k, bytearray(len(starts) - 1))
+        if "crc32" in shard and not checked[j]:
+            if sample_crc32(shard, a, b) != int(shard["crc32"][j]):
+                raise FeatureCacheError(
+                    f"feature cache shard {self.folder / self.shards[k]['file']} is corrupt: sample {i} (tokens "
+                    f"{a}..{b} of the shard) fails its crc32 check. Make the cache again (python -m dflash_lightning "
+                    "cache)"
+                )
+            checked[j] = 1
         names = ("features", "scales", "input_ids", "loss_mask") if self.feature_format == "fp8" else (
             "features", "input_ids", "loss_mask")
         names += ("final_hidden",) if self.hidden_size else ()
