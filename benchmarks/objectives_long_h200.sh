@@ -5,9 +5,10 @@
 set -uo pipefail
 out=${1:?usage: objectives_long_h200.sh OUT_DIR}
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/inductor-objectives} PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 step="--modes= --precisions bf16-mixed --fp8= --warmup 12 --steps 30"
 skip="eager,warm,curves,tiny_features,profile,pipeline"
-bench() { name=$1; shift; mkdir -p "$out/$name"; OUT="$out/$name" python benchmarks/step_bench.py "$@" --out "$out/$name.json"; }
+bench() { name=$1; shift; mkdir -p "$out/$name"; OUT="$out/$name" python3 benchmarks/step_bench.py "$@" --out "$out/$name.json"; }
 bench ce $step --skip $skip --objective ce --loss-weights decay
 bench kl $step --skip $skip --objective kl --loss-weights decay
 bench long --loss-weights decay --modes= --precisions bf16-mixed --fp8= --warmup 8 --steps 20 --pipeline-steps 20 --token-budget 32768 \
