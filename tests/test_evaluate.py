@@ -214,6 +214,8 @@ def test_spec_eval_logs_each_temperature_under_its_own_name(tiny_target, prompts
                                      target=str(tiny_target), dtype="float32", temperature=temperature)
     recorder = LogRecorder(DFlashDrafter(cfg))
     callback.run(recorder, recorder)
-    assert set(recorder.logged) == names and all(v >= 0 for v in recorder.logged.values())
+    assert set(recorder.logged) == names
+    for name, value in recorder.logged.items():  # tau >= 1 by definition; greedy serving is lossless
+        assert value == 0 if name.endswith("mismatches") else value >= 1, (name, value)
     with pytest.raises(ValueError, match="top_k"):
         SpeculativeValidation(str(prompts_file), every_n_steps=2, temperature=1.0, top_k=-1)

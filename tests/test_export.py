@@ -451,7 +451,6 @@ def test_bf16_folder_loaded_in_float16_is_cast_or_refused(tiny_target, folder, t
     range is refused by name instead of becoming inf."""
     cfg, state = import_folder(folder)
     bf16 = import_folder(write_folder(cfg, state, tmp_path / "bf16", "bfloat16"))[1]
-    assert engine_dtype("bfloat16", "float16") == "float16"
     drafter = build_drafter(cfg, bf16, str(tiny_target), "float16")
     for k, v in drafter.state_dict().items():
         assert v.dtype == torch.float16 and torch.equal(v, bf16[k].to(torch.float16)), k
