@@ -178,35 +178,10 @@ def summarize(records: list[dict[str, Any]], block_size: int, max_new_tokens: in
 
 
 def plot_report(runs: list[dict[str, Any]], path: str | Path) -> None:
-    """report.png: the share of steps per accepted length, and the per-slot acceptance rate P(accepted >= k), one
-    series per temperature (`runs`: reports of `evaluate`)."""
-    import matplotlib
+    """report.png (`figures.report_figure`) of the reports of `evaluate`, one series per temperature."""
+    from dflash_lightning.figures import report_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    B = runs[0]["block_size"]
-    width = 0.8 / len(runs)
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    titles = []
-    for i, run in enumerate(runs):
-        name = f"temperature {run['temperature']:g}"
-        steps = max(1, run["steps"])
-        left.bar([a - 0.4 + width * (i + 0.5) for a in range(B)], [n / steps for n in run["acceptance_histogram"]],
-                 width, label=name)
-        right.plot(range(1, B), [r if r is not None else float("nan") for r in run["slot_acceptance"]], "o-",
-                   label=name)
-        tau, mean, expected = run["tau_pooled"], run["tau_prompt_mean"], run["expected_tau_pooled"]
-        titles.append(f"T {run['temperature']:g}: tau {tau:.2f} pooled, {mean:.2f} prompt mean, {expected:.2f} "
-                      f"expected; {run['speedup']:.2f}x" if tau and run["speedup"] else
-                      f"T {run['temperature']:g}: no decode steps")
-    left.set(xlabel="accepted draft tokens per step (tau - 1)", ylabel="share of steps", title="Acceptance lengths")
-    right.set(xlabel="slot k", ylabel="P(accepted >= k)", ylim=(0, 1.02), title="Per-slot acceptance")
-    left.legend(), right.legend()
-    fig.suptitle("\n".join(titles), fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    report_figure(runs).savefig(path, dpi=120)
 
 
 def print_summary(runs: list[dict[str, Any]]) -> None:

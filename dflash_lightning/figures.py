@@ -79,26 +79,51 @@ def mask_figure(masks: Mapping[str, Tensor], context_tokens: int):
     return fig
 
 
-def slot_curve_figure(curves: Mapping[str, Sequence[float | None]], ylabel: str = "accuracy", title: str = ""):
-    """Per-slot curves (slot 1..B-1 on x), one line per name: accuracy at training, acceptance when served."""
-    fig, (ax,) = _figure(6, 3.6)
+def _slot_curves_on(ax, curves: Mapping[str, Sequence[float | None]]) -> None:
     for name, values in curves.items():
         slots = [k for k, v in enumerate(values, start=1) if v is not None]
         ax.plot(slots, [values[k - 1] for k in slots], marker="o", markersize=3, label=name)
     ax.set_ylim(0, 1)
+
+
+def _histograms_on(ax, histograms: Mapping[str, Sequence[int]]) -> None:
+    width = 0.8 / max(1, len(histograms))
+    for i, (name, counts) in enumerate(histograms.items()):
+        total = max(1, sum(counts))
+        xs = [k + (i - (len(histograms) - 1) / 2) * width for k in range(len(counts))]
+        ax.bar(xs, [c / total for c in counts], width=width, label=name)
+
+
+ACCEPTED = "draft tokens accepted in a step (tau of the step - 1)"
+
+
+def slot_curve_figure(curves: Mapping[str, Sequence[float | None]], ylabel: str = "accuracy", title: str = ""):
+    """Per-slot curves (slot 1..B-1 on x), one line per name: accuracy at training, acceptance when served."""
+    fig, (ax,) = _figure(6, 3.6)
+    _slot_curves_on(ax, curves)
     return _finish(fig, ax, "slot k", ylabel, title, len(curves) > 1, grid=True)
 
 
 def histogram_figure(histograms: Mapping[str, Sequence[int]], title: str = ""):
     """Acceptance-length histograms (accepted draft tokens per step, 0..B-1) as fractions of the steps."""
     fig, (ax,) = _figure(6, 3.6)
-    width = 0.8 / max(1, len(histograms))
-    for i, (name, counts) in enumerate(histograms.items()):
-        total = max(1, sum(counts))
-        xs = [k + (i - (len(histograms) - 1) / 2) * width for k in range(len(counts))]
-        ax.bar(xs, [c / total for c in counts], width=width, label=name)
-    return _finish(fig, ax, "draft tokens accepted in a step (tau of the step - 1)", "fraction of steps", title,
-                   len(histograms) > 1)
+    _histograms_on(ax, histograms)
+    return _finish(fig, ax, ACCEPTED, "fraction of steps", title, len(histograms) > 1)
+
+
+def report_figure(runs: Sequence[Mapping[str, Any]]):
+    """`evaluate`'s report.png: the acceptance histogram and per-slot P(accepted >= k), one series per temperature,
+    the run's tau figures above."""
+    fig, (left, right) = _figure(12, 4.5, ncols=2)
+    names = [f"temperature {run['temperature']:g}" for run in runs]
+    _histograms_on(left, {n: run["acceptance_histogram"] for n, run in zip(names, runs, strict=True)})
+    _slot_curves_on(right, {n: run["slot_acceptance"] for n, run in zip(names, runs, strict=True)})
+    titles = [f"T {run['temperature']:g}: tau {run['tau_pooled']:.2f} pooled, {run['tau_prompt_mean']:.2f} prompt "
+              f"mean, {run['expected_tau_pooled']:.2f} expected; {run['speedup']:.2f}x"
+              if run["tau_pooled"] and run["speedup"] else f"T {run['temperature']:g}: no decode steps" for run in runs]
+    fig.suptitle("\n".join(titles), fontsize=10)
+    _finish(fig, left, ACCEPTED, "fraction of steps", "acceptance lengths", True)
+    return _finish(fig, right, "slot k", "P(accepted >= k)", "per-slot acceptance", True, grid=True)
 
 
 def bars_figure(values: Mapping[str, Mapping[str, float | None]], ylabel: str, title: str = ""):
