@@ -20,13 +20,20 @@ def fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def write_atomic(path: Path, write: Any) -> None:
-    """`write(tmp_path)`, fsync, then rename over `path`: a reader sees the old file or the whole new one."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    write(tmp)
-    with tmp.open("rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def write_atomic(path: Path, write: Any, suffix: str = ".tmp") -> None:
+    """`write(tmp_path)`, fsync, then rename over `path`: a reader sees the old file or the whole new one.
+
+    The temporary file is `.<name>.<pid><suffix>` beside `path`; a write that fails removes it.
+    """
+    tmp = path.with_name(f".{path.name}.{os.getpid()}{suffix}")
+    try:
+        write(tmp)
+        with tmp.open("rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     fsync_dir(path.parent)
 
 

@@ -20,7 +20,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 
-from dflash_lightning.atomic import fsync_dir
+from dflash_lightning.atomic import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -122,17 +122,19 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 "the checkpoints already written are kept"
             )
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}{PARTIAL_SUFFIX}")
+        written = [0]  # bytes of the partial file when the write stopped, for the error
+
+        def save(tmp: Path) -> None:
+            try:
+                with tmp.open("wb") as f:  # a Python file: a full disk surfaces as the OSError it is
+                    torch.save(checkpoint, f)
+            finally:
+                written[0] = tmp.stat().st_size if tmp.exists() else 0
+
         try:
-            with tmp.open("wb") as f:
-                torch.save(checkpoint, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)  # atomic on one filesystem: readers see the old file or the new one
-            fsync_dir(path.parent)
+            write_atomic(path, save, suffix=PARTIAL_SUFFIX)
         except BaseException as err:
-            written = tmp.stat().st_size if tmp.exists() else 0
-            tmp.unlink(missing_ok=True)
+            written = written[0]
             os_err = _os_error(err)
             if os_err is not None:
                 needed = checkpoint_bytes(checkpoint)
