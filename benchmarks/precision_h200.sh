@@ -37,11 +37,6 @@ tiny() {  # arm seed precision [extra CLI args]: fit the tiny default in its own
       --prompts dflash_lightning/assets/tiny/data/prompts.jsonl --device cuda --dtype float32 --out runs/tiny/eval
   ) > "$out/tiny-$arm-$seed.log" 2>&1 || echo "tiny $arm $seed failed"
 }
-if [ "$part" = speed2 ]; then  # FP8 drafter steps against bf16-mixed, and the target's own rate bf16 vs FP8
-  timeout ${SPEED2_S:-115} $bench --modes "" --precisions bf16-mixed --fp8 ${FP8:-head:rowwise,all:tensorwise} \
-    --skip eager,warm,curves,pipeline_fit --out "$out/speed2.json" 2>&1 | grep --line-buffered -v Warning > "$out/speed2.log"
-  exit
-fi
 [ -n "${CURVES:-}" ] && $bench --skip step,pipeline,eager,warm,${CURVE_SKIP:-tiny_features} --curve-steps ${CURVE_STEPS:-200} \
   --curves ${CURVE_MODES:-bf16-true,bf16-mixed,head:rowwise,all:tensorwise} --out "$out/quality.json" 2>&1 \
   | grep --line-buffered -v Warning > "$out/quality.log" &
@@ -59,12 +54,13 @@ done
   --target.dtype=bfloat16 --target.placement=separate '--target.target_devices=[cuda:0]' --trainer.max_steps=40 &
 wait
 tar czf "$out/tiny-logs.tgz" -C "$out" $(cd "$out" && ls tiny-*.log) && rm -f "$out"/tiny-*.log
-python3 - "$out" <<'PY'
-import csv, glob, json, sys
+names="$(for run in $runs; do echo "${run%%:*}-${run##*:}"; done) ${SEPARATE:+fp8target-separate-0}"
+python3 - "$out" $names <<'PY'
+import csv, json, sys
 from pathlib import Path
 rows = {}
-for folder in sorted(glob.glob("/tmp/tiny-*")):
-    name = Path(folder).name[5:]
+for name in sys.argv[2:]:  # this call's runs only: a warm machine keeps earlier calls' folders
+    folder = f"/tmp/tiny-{name}"
     row = {}
     for metrics in Path(folder).glob("runs/tiny/dflash/version_*/metrics.csv"):
         for r in csv.DictReader(metrics.open()):

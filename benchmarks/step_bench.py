@@ -536,7 +536,7 @@ def main() -> None:
     parser.add_argument("--precisions", default="bf16-true,bf16-mixed", help="drafter step precisions (compiled)")
     parser.add_argument("--fp8", default="head:rowwise,all:rowwise,all:tensorwise",
                         help="comma list of model.fp8:model.fp8_recipe measured under bf16-mixed")
-    parser.add_argument("--curves", default="bf16-true,bf16-mixed,head:rowwise,all:rowwise",
+    parser.add_argument("--curves", default="bf16-true,bf16-mixed,head:rowwise,all:tensorwise",
                         help="loss curves on the same batches: precisions, or FP8 modes under bf16-mixed")
     parser.add_argument("--curve-steps", type=int, default=200, help="steps of each loss curve")
     parser.add_argument("--pipeline-fp8", default=None,
@@ -637,7 +637,7 @@ def main() -> None:
                 runs[name]["mfu"] = runs[name]["tflops"] * 1e12 / peak
             if i == 0:
                 runs[name]["compile_breakdown_s"] = compile_breakdown()
-                if "warm" not in skip:
+                if "warm" not in skip and (precision, fp8) == ("bf16-true", "none"):  # what the probe's child runs
                     runs[name]["warm_cache"] = warm_cache_probe(target, mode, args.warmup, shape_args)
             report("drafter_step", runs)
         if "eager" not in skip:
