@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from dflash_lightning.speculative import counted_tokens
+
 # One colour per decode step in highlighted text (cycled), light enough to read black text on.
 STEP_COLOURS = ("#ffd6a5", "#caffbf", "#9bf6ff", "#bdb2ff", "#ffc6ff", "#fdffb6", "#a0c4ff", "#ffadad")
 
@@ -148,13 +150,13 @@ def lines_figure(series: Mapping[str, tuple[Sequence[float], Sequence[float]]], 
 
 
 def step_segments(tokens: Sequence[int], accepted_lengths: Sequence[int]) -> list[list[int]]:
-    """The generated tokens cut by the step that emitted them: the prefill's token, then a + 1 per step."""
+    """The generated tokens cut by the step that emitted them: the prefill's token, then what each step counts
+    (a + 1, the last step only up to the kept output: `speculative.counted_tokens`)."""
     segments, start = [list(tokens[:1])], 1
-    for a in accepted_lengths:
-        if start >= len(tokens):
-            break
-        segments.append(list(tokens[start : start + a + 1]))
-        start += a + 1
+    for n in counted_tokens([a + 1 for a in accepted_lengths], len(tokens) - 1):
+        if n:
+            segments.append(list(tokens[start : start + n]))
+        start += n
     return segments
 
 
