@@ -54,6 +54,8 @@ def test_compiled_and_eager_agree_for_each_objective(tiny_target, objective, los
     eager = make_module(tiny_target, **kw)
     compiled = make_module(tiny_target, compile=True, **kw)
     compiled.load_state_dict(eager.state_dict())
+    assert all(layer._compiled_call_impl is not None for layer in compiled.drafter.layers)  # compile did happen
+    assert all(layer._compiled_call_impl is None for layer in eager.drafter.layers)
     batch = batch_with_features(tiny_target, eager.drafter_config.target_layer_ids)
     batch["final_hidden"] = torch.randn(64, 64, generator=torch.Generator().manual_seed(1))
     outs = [m.step(batch, generator=torch.Generator().manual_seed(3)) for m in (eager, compiled)]
