@@ -1,6 +1,9 @@
-"""Packed-batch builders and a batch recorder shared by the tests."""
+"""Packed-batch builders, conversation records and a batch recorder shared by the tests."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import torch
 from lightning.pytorch import Callback
@@ -38,3 +41,20 @@ class RecordRows(Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         with open(f"{self.out}/rank{trainer.global_rank}.txt", "a") as f:
             f.write(f"{trainer.current_epoch} {int(batch['anchor_seed'])} {trainer.global_step}\n")
+
+
+def user(text: str) -> dict:
+    return {"role": "user", "content": text}
+
+
+def assistant(text: str) -> dict:
+    return {"role": "assistant", "content": text}
+
+
+def write_jsonl(path: Path, records: list[dict], bad_line_at: int | None = None) -> Path:
+    """One JSON record per line; with `bad_line_at`, a malformed line inserted at that index."""
+    lines = [json.dumps(r) for r in records]
+    if bad_line_at is not None:
+        lines.insert(bad_line_at, '{"messages": [broken')
+    path.write_text("\n".join(lines) + "\n")
+    return path

@@ -10,20 +10,13 @@ import pytest
 import torch
 import yaml
 from conftest import make_target
+from helpers import assistant, user, write_jsonl
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import dflash_lightning.regenerate as rg
 from dflash_lightning.cli import cli_main
 
 NEW = 10  # max_new_tokens
-
-
-def user(text: str) -> dict:
-    return {"role": "user", "content": text}
-
-
-def assistant(text: str) -> dict:
-    return {"role": "assistant", "content": text}
 
 
 
@@ -41,10 +34,7 @@ def setup(tmp_path_factory, one_thread) -> dict:
         *[{"messages": [user(f"the {w} of a class ?"), assistant("the value .")], "id": k}
           for k, w in enumerate(["value", "module", "string", "object"])],
     ]
-    lines = [json.dumps(r) for r in records]
-    lines.insert(5, '{"messages": [broken')  # source index 5: a bad line, skipped
-    path = root / "in.jsonl"
-    path.write_text("\n".join(lines) + "\n")
+    path = write_jsonl(root / "in.jsonl", records, bad_line_at=5)  # source index 5: a bad line, skipped
     return {"root": root, "target": str(target), "input": str(path)}
 
 

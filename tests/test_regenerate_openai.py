@@ -19,6 +19,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from helpers import assistant, user, write_jsonl
 
 import dflash_lightning.regenerate as rg
 from dflash_lightning.regenerate_openai import ServerError
@@ -26,14 +27,6 @@ from dflash_lightning.regenerate_openai import ServerError
 TINY = Path(rg.__file__).parent / "assets" / "tiny" / "target"
 NEW = 8  # max_new_tokens
 STARTUP_S = 240  # the server's imports take long on a loaded 2-core machine
-
-
-def user(text: str) -> dict:
-    return {"role": "user", "content": text}
-
-
-def assistant(text: str) -> dict:
-    return {"role": "assistant", "content": text}
 
 
 def free_port() -> int:
@@ -108,11 +101,8 @@ def data(tmp_path_factory) -> dict:
         {"messages": [user("Is it a number?")], "category": "prompt-only"},
         *prompts,
     ]
-    lines = [json.dumps(r) for r in records]
-    lines.insert(4, '{"messages": [broken')  # source index 4: a bad line, rejected
-    path = root / "in.jsonl"
-    path.write_text("\n".join(lines) + "\n")
-    return {"root": root, "input": str(path), "n": len(lines)}
+    path = write_jsonl(root / "in.jsonl", records, bad_line_at=4)  # source index 4: a bad line, rejected
+    return {"root": root, "input": str(path), "n": len(records) + 1}
 
 
 def run(data: dict, out: Path, **overrides) -> list[dict]:
@@ -269,8 +259,7 @@ def fakes():
 def test_fake_servers_malformed_failing_and_good_answers(fakes, tmp_path, capsys):
     prompts = ["ok 0", "flaky 1", "garbage 2", "empty 3", "null 4", "long 5", "down 6", "ok 7", "ok 8", "ok 9"]
     records = [{"messages": [user(p), assistant("x"), user(p + " again"), assistant("y")]} for p in prompts]
-    path = tmp_path / "in.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    path = write_jsonl(tmp_path / "in.jsonl", records)
     out = tmp_path / "out.jsonl"
     rows = run({"input": str(path)}, out, base_url=fakes, max_retries=1, concurrency=4)
     assert [r["source_index"] for r in rows] == [0, 1, 7, 8, 9]
