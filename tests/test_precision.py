@@ -131,10 +131,12 @@ def test_served_decoding_sees_plain_linears_over_the_same_weights(tiny_target, m
 
 
 @pytest.mark.parametrize("name", ["qwen3-8b.yaml", "qwen3-8b-long.yaml", "llama3.1-8b.yaml"])
-def test_gpu_configs_keep_fp32_master_weights(name):
+def test_gpu_configs_keep_fp32_master_weights_and_compile_the_target(name):
     import yaml
     from test_cli import CONFIGS
 
     config = yaml.safe_load((CONFIGS / name).read_text())
     assert config["trainer"]["precision"] == "bf16-mixed"
-    assert config["model"]["fp8"] == "none"  # FP8 stays opt-in until its quality is measured on a real target
+    # FP8 stays opt-in: at the 8B shape its loss curve lags bf16-mixed's by about 30x the seeds' spread (README)
+    assert config["model"]["fp8"] == "none"
+    assert config["target"]["compile"] is True  # 1.33x the eager target's rate on an H200, same features

@@ -62,6 +62,41 @@ def test_teacher_from_final_hidden_states_is_the_hf_targets_next_token_distribut
             torch.testing.assert_close(teacher[rows[a, k]], expected[1][p + k - 1 - 11], rtol=1e-4, atol=1e-5)
 
 
+def test_compiled_target_layers_give_the_eager_features_from_one_graph(tiny_target):
+    """`compile_layers`: every decoder layer shares one compiled graph, new rows of the same length reuse it."""
+    from torch._dynamo.utils import counters
+
+    extractor = FeatureExtractor.from_pretrained(str(tiny_target), [1, 3, 5], torch.float32)
+    rows = [packed_batch(docs, 48, vocab=50) for docs in ([11, 7, 19], [20, 28])]
+    eager = [extractor(b["input_ids"], b["position_ids"]) for b in rows]
+    torch._dynamo.reset()
+    counters.clear()
+    assert extractor.compile_layers() is extractor
+    for batch, expected in zip(rows, eager, strict=True):
+        torch.testing.assert_close(extractor(batch["input_ids"], batch["position_ids"]), expected)
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"] and not counters["recompiles"]
+    torch._dynamo.reset()
+
+
+def test_target_compile_is_refused_off_cuda_and_when_sharded(tiny_target):
+    from types import SimpleNamespace
+
+    from dflash_lightning.config import ConfigError
+    from dflash_lightning.target import TargetFeatures
+
+    with pytest.raises(ConfigError, match="target.compile: not with placement 'sharded'"):
+        TargetFeatures(str(tiny_target), placement="sharded", compile=True)
+    trainer = SimpleNamespace(datamodule=None, strategy=SimpleNamespace(root_device=torch.device("cpu")))
+    module = SimpleNamespace(drafter_config=SimpleNamespace(target_layer_ids=[1]))
+    callback = TargetFeatures(str(tiny_target), "float32", compile=True)
+    callback.load_extractor = lambda *a, **k: pytest.fail("the target loaded before the refusal")
+    with pytest.raises(ConfigError, match="target.compile: compiles the target's layers on CUDA GPUs, .* on cpu"):
+        callback.setup(trainer, module, "fit")
+    separate = TargetFeatures(str(tiny_target), "float32", "separate", ["cpu"], compile=True)
+    with pytest.raises(ConfigError, match="target.compile: .* on cpu"):
+        separate.setup(trainer, module, "fit")
+
+
 def test_packed_causal_mask_matches_a_plain_reference():
     positions = torch.tensor([0, 1, 2, 0, 1, 0, 1, 2, 3, 0])
     doc = [0, 0, 0, 1, 1, 2, 2, 2, 2, 3]

@@ -35,6 +35,7 @@ class TargetFeatures(Callback):
         prefetch: int = 2,
         attn_implementation: str = "auto",
         fp8: bool = False,
+        compile: bool = False,
     ) -> None:
         """
         Args:
@@ -52,6 +53,8 @@ class TargetFeatures(Callback):
                 CPU), or one of transformers' own (sdpa, eager, flex_attention).
             fp8: Run the target's linear layers in FP8 (Hopper GPUs, torchao: weights and activations scaled per
                 row), loaded from `dtype` weights; the features then match a target served in FP8.
+            compile: Compile the target's decoder layers (CUDA, placements colocated and separate): the norms,
+                RoPE and, with `fp8`, the activations' scales and casts fuse into a few kernels per layer.
         """
         if placement == "separate" and not target_devices:
             raise ValueError("target.target_devices: name the devices of the target for placement 'separate'")
@@ -61,8 +64,12 @@ class TargetFeatures(Callback):
             raise ConfigError(f"target.fp8: needs target.dtype bfloat16 (FP8 matmuls return bf16), not {dtype}")
         if fp8 and placement == "sharded":
             raise ConfigError("target.fp8: not with placement 'sharded' (FP8 weights are not sharded); use colocated")
+        if compile and placement == "sharded":
+            raise ConfigError("target.compile: not with placement 'sharded' (its layers gather their weights "
+                              "through FSDP hooks); use colocated or separate, or drop target.compile")
         self.path, self.dtype, self.placement, self.attn_implementation = path, dtype, placement, attn_implementation
         self.target_devices, self.prefetch, self.fp8 = list(target_devices or []), prefetch, fp8
+        self.compile = compile
         self.extractor: FeatureExtractor | None = None
         self.extractors: list[FeatureExtractor] = []
 
@@ -79,10 +86,13 @@ class TargetFeatures(Callback):
         # Distillation's teacher is the target's final normed hidden state: then the whole target runs.
         final = getattr(getattr(pl_module, "loss_settings", None), "distills", False)
 
-        if self.fp8:  # before any weight is read
-            devices = [trainer.strategy.root_device] if self.placement == "colocated" else self.target_devices
-            for device in devices:
+        devices = [trainer.strategy.root_device] if self.placement != "separate" else self.target_devices
+        for device in devices:  # before any weight is read
+            if self.fp8:
                 require_fp8(device, "target.fp8")
+            if self.compile and torch.device(device).type != "cuda":
+                raise ConfigError(f"target.compile: compiles the target's layers on CUDA GPUs, the target is on "
+                                  f"{device}; drop target.compile (the CPU runs the target eager)")
         if self.placement == "colocated":
             self.extractor = self.load_extractor(trainer.strategy.root_device, layer_ids, final_hidden=final)
             return
@@ -105,11 +115,13 @@ class TargetFeatures(Callback):
         self, device: torch.device | str, layer_ids: list[int], mesh: DeviceMesh | None = None,
         final_hidden: bool = False,
     ) -> FeatureExtractor:
-        """The target's feature extractor on `device` (sharded over `mesh` when given; in FP8 if asked)."""
+        """The target's feature extractor on `device` (sharded over `mesh` when given; in FP8 and compiled if asked)."""
         extractor = FeatureExtractor.from_pretrained(
             self.path, layer_ids, DTYPES[self.dtype], device, self.attn_implementation, mesh, final_hidden
         )
-        return extractor.quantize_fp8() if self.fp8 else extractor
+        if self.fp8:
+            extractor.quantize_fp8()
+        return extractor.compile_layers() if self.compile else extractor
 
     def prefetched(self, loader: Any, device: torch.device) -> Any:
         """`loader` with features computed ahead by the separate targets (empty loaders pass through)."""

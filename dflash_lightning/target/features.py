@@ -55,6 +55,15 @@ class FeatureExtractor(nn.Module):
         quantize_model(self.model, "rowwise")
         return self
 
+    def compile_layers(self) -> FeatureExtractor:
+        """Compile each decoder layer in place (one graph serves all of them, the row's shape is fixed).
+
+        Eager, an FP8 target pays a separate kernel for every activation's scale and cast; compiled, they fuse.
+        """
+        for layer in decoder_layers(self.model):
+            layer.compile(dynamic=False)
+        return self
+
     @classmethod
     def from_pretrained(
         cls, path: str, layer_ids: list[int], dtype: torch.dtype = torch.bfloat16,
