@@ -3,7 +3,8 @@
 #   bash benchmarks/precision_h200.sh OUT_DIR speed     drafter step bf16-true / bf16-mixed / FP8, co-located
 #                                                       pipelines (8192/512 and the recipe's 3072/512), projection
 #   bash benchmarks/precision_h200.sh OUT_DIR pipelines the co-located pipelines only: bf16 target + bf16 drafter and
-#                                                       FP8 target + FP8 drafter (PIPE_FP8, all:tensorwise), both shapes
+#                                                       FP8 target + FP8 drafter (PIPE_FP8, all:tensorwise), both shapes;
+#                                                       TARGET_COMPILE=1: the target's layers compiled
 #   bash benchmarks/precision_h200.sh OUT_DIR quality   loss curves bf16 vs FP8 on the same batches (CURVES=1; with
 #                                                       CURVE_SKIP= also the tiny target's FP8 features), and the tiny
 #                                                       default trained on the GPU per precision and seed (RUNS or
@@ -22,7 +23,7 @@ if [ "$part" = speed ]; then  # everything timed, one run (about 10 minutes)
   exit
 fi
 if [ "$part" = pipelines ]; then  # the co-located pipelines alone, bf16 and FP8 in one run (about 5 minutes)
-  $bench --skip step,eager,warm,curves,tiny_features --pipeline-fp8 ${PIPE_FP8:-all:tensorwise} \
+  $bench --skip step,eager,warm,curves,tiny_features --pipeline-fp8 ${PIPE_FP8:-all:tensorwise} ${TARGET_COMPILE:+--target-compile} \
     --out "$out/pipelines.json" 2>&1 | grep --line-buffered -v Warning > "$out/pipelines.log"
   exit
 fi
@@ -38,7 +39,7 @@ tiny() {  # arm seed precision [extra CLI args]: fit the tiny default in its own
   ) > "$out/tiny-$arm-$seed.log" 2>&1 || echo "tiny $arm $seed failed"
 }
 [ -n "${CURVES:-}" ] && $bench --skip step,pipeline,eager,warm,${CURVE_SKIP:-tiny_features} --curve-steps ${CURVE_STEPS:-200} \
-  --curves ${CURVE_MODES:-bf16-true,bf16-mixed,head:rowwise,all:tensorwise} --out "$out/quality.json" 2>&1 \
+  --curves ${CURVE_MODES:-bf16-true,bf16-mixed,head:rowwise,all:tensorwise} --curve-seeds ${CURVE_SEEDS:-0} --out "$out/quality.json" 2>&1 \
   | grep --line-buffered -v Warning > "$out/quality.log" &
 runs=${RUNS:-$(for s in ${SEEDS:-0 1}; do for a in ${ARMS:-true mixed fp8head fp8all}; do echo "$a:$s"; done; done)}
 for run in $runs; do  # arm:seed pairs (RUNS="true:0 mixed:2"), or every arm of every seed

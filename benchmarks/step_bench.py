@@ -37,6 +37,7 @@ configuration after S seconds and reports the stack it was in.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import signal
@@ -376,7 +377,7 @@ def run_fit(target: Path, compile: bool, mode: str | None, warmup: int, measured
             objective: str = "ce", loss_weights: str = "dpace",
             precision: str = "bf16-true", fp8: str = "none", fp8_recipe: str = "rowwise",
             data: LightningDataModule | None = None, extra: list[Callback] = (),
-            progress: Callable[[dict], None] = print_line, name: str = "fit") -> dict:
+            progress: Callable[[dict], None] = print_line, name: str = "fit", seed: int = 0) -> dict:
     """One Trainer.fit (progress bar and CSV logger on, as users run it); timings, memory, recompiles, syncs.
 
     Each step's end is passed to `progress` as it happens (`StepLog`), with the compiler settings first.
@@ -387,7 +388,7 @@ def run_fit(target: Path, compile: bool, mode: str | None, warmup: int, measured
     settings = compiler_settings()
     progress({"run": name, "compiler_settings": settings})
     log = StepLog(name, progress)
-    torch.manual_seed(0)  # the same initial drafter for every precision
+    torch.manual_seed(seed)  # the same initial drafter for every precision
     module = DFlashModule(
         str(target), drafter or drafter_shape(),
         token_budget=token_budget, num_anchors=anchors, compile=compile, compile_mode=mode, metrics_every=8,
@@ -538,6 +539,7 @@ def main() -> None:
                         help="comma list of model.fp8:model.fp8_recipe measured under bf16-mixed")
     parser.add_argument("--curves", default="bf16-true,bf16-mixed,head:rowwise,all:tensorwise",
                         help="loss curves on the same batches: precisions, or FP8 modes under bf16-mixed")
+    parser.add_argument("--curve-seeds", default="0", help="comma list of initial-drafter seeds of each curve")
     parser.add_argument("--curve-steps", type=int, default=200, help="steps of each loss curve")
     parser.add_argument("--pipeline-fp8", default=None,
                         help="model.fp8:model.fp8_recipe of the FP8 pipeline's drafter; default: the fastest FP8 step")
@@ -551,6 +553,7 @@ def main() -> None:
     parser.add_argument("--sliding-layers", type=int, default=0, help="drafter layers (of 5, first) that slide")
     parser.add_argument("--sliding-window", type=int, default=2048, help="window W of the sliding layers")
     parser.add_argument("--doc-tokens", default="300,3000", help="lo,hi: random documents' length range")
+    parser.add_argument("--target-compile", action="store_true", help="compile the pipeline target's layers")
     parser.add_argument("--target-attention", default="auto", help="attention of the pipeline's target (auto, sdpa)")
     parser.add_argument("--objective", default="ce", choices=["ce", "kl", "ce+kl"], help="model.objective")
     parser.add_argument("--loss-weights", default="dpace", choices=["decay", "dpace"], help="model.loss_weights")
@@ -660,16 +663,21 @@ def main() -> None:
             curves, data = {}, lambda: RandomData(8192, pool=32, steps=args.curve_steps + 1)
             modes = [("bf16-mixed", *c.split(":")) if ":" in c else (c, "none", "rowwise")
                      for c in args.curves.split(",")]
-            for precision, fp8, recipe in modes:
+            seeds = [int(v) for v in args.curve_seeds.split(",")]
+            for (precision, fp8, recipe), seed in itertools.product(modes, seeds):
                 curve = LossCurve()
                 name = f"{precision}" + (f"[fp8={fp8},{recipe}]" if fp8 != "none" else "")
+                name += f" seed {seed}" if seed else ""
                 run = attempt(run_fit, target, True, None, 8, args.curve_steps - 8, ShiftedTokenFeatures(), logs,
                               precision=precision, fp8=fp8, fp8_recipe=recipe, data=data(), extra=[curve],
-                              **recipe_kw, progress=progress, name=f"curve {name}")
+                              **recipe_kw, progress=progress, name=f"curve {name}", seed=seed)
                 curves[name] = run if "error" in run else {"loss": curve.values(), "step_s": run["step_s"]}
                 report("loss_curves_partial", {n: c["loss"][::5] if "loss" in c else c for n, c in curves.items()})
-            ref = curves.get("bf16-mixed", {}).get("loss")
-            summary = {n: curve_difference(c["loss"], ref) for n, c in curves.items() if ref and "loss" in c}
+            summary = {}  # each curve against bf16-mixed of its own seed (the seeds' spread is bf16-mixed's own)
+            for n, c in curves.items():
+                ref = curves.get("bf16-mixed" + (n.partition(" seed")[1] + n.partition(" seed")[2]), {}).get("loss")
+                if ref and "loss" in c:
+                    summary[n] = curve_difference(c["loss"], ref)
             report("loss_curves", {"steps": args.curve_steps, "vs_bf16_mixed": summary,
                                    "curves_every_5": {n: c.get("loss", c)[::5] if "loss" in c else c
                                                       for n, c in curves.items()}})
@@ -684,6 +692,8 @@ def main() -> None:
             with torch.device("cuda"):
                 model = AutoModel.from_config(cfg, dtype=torch.bfloat16, attn_implementation=attention)
             extractor = FeatureExtractor(model, [1, 9, 17, 25, 33], 36, final_hidden=distills).cuda()
+            if args.target_compile:  # a layer compiled before quantize_fp8 recompiles at its first FP8 call
+                extractor.compile_layers()
             recipe_budget, recipe_anchors = (int(v) for v in args.recipe_shape.split(","))
             shapes = list(dict.fromkeys([(args.token_budget, args.anchors), (recipe_budget, recipe_anchors)]))
             if args.pipeline_fp8:
