@@ -24,8 +24,9 @@ over the steady steps, with progress bar and CSV logger on; a kernel profile of 
 
 Precision and FP8 (`--precisions`, `--fp8 mode:recipe,...`): each step against `bf16-mixed` in the same run;
 loss curves over the same batches per precision (`--curves`, features that make slots 1..K-1 learnable);
-the co-located pipeline with a bf16 and with an FP8 target at 8192/512 and at the recipe's shape
-(`--recipe-shape`), the FP8 target's feature difference, and the hours of the Qwen3-8B recipe on one 8-GPU
+(`--curve-seeds`: per initial-drafter seed); the co-located pipeline with a bf16 and with an FP8 target at
+8192/512 and at the recipe's shape (`--recipe-shape`; `--target-compile`: its layers compiled, as
+`target.compile` does), the FP8 target's feature difference, and the hours of the Qwen3-8B recipe on one 8-GPU
 node from the measured rate (`--mean-tokens`, `--packing-fill`, `--ddp-efficiency`).
 `benchmarks/precision_h200.sh` runs these parts in device calls of at most 10 minutes.
 
