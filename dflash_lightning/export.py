@@ -208,8 +208,8 @@ def export_checkpoint(ckpt_path: str | Path, out_dir: str | Path, dtype: DType |
 
     `dtype` None: the dtype the drafter was trained in (bf16-true and bf16-mixed: bfloat16), else as stored.
     """
-    cfg, state, _, precision = _read_checkpoint(ckpt_path)
-    return write_folder(cfg, state, out_dir, dtype or PRECISION_DTYPES.get(str(precision)))
+    cfg, state, _, precision = _read_checkpoint(ckpt_path)  # config and weights checked there, once
+    return _write_checked(cfg, state, out_dir, dtype or PRECISION_DTYPES.get(str(precision)))[0]
 
 
 def write_folder(cfg: DrafterConfig, state: dict[str, Tensor], out_dir: str | Path, dtype: DType | None = None) -> Path:
@@ -217,22 +217,35 @@ def write_folder(cfg: DrafterConfig, state: dict[str, Tensor], out_dir: str | Pa
 
     `dtype` casts the saved weights, and config.json's `dtype` names what was saved; None keeps them as they are.
     """
-    from safetensors.torch import save_file
-
     cfg.check()
     check_state_dict(cfg, state, "export")
+    return _write_checked(cfg, state, out_dir, dtype)[0]
+
+
+def _write_checked(cfg: DrafterConfig, state: dict[str, Tensor], out_dir: str | Path, dtype: DType | None
+                   ) -> tuple[Path, DType]:
+    """`write_folder` of a config and weights already checked; returns the folder and the dtype saved.
+
+    The cast is refused (by weight name) before anything is written.
+    """
+    from safetensors.torch import save_file
+
     tensors = {k: v.detach().cpu().contiguous() for k, v in cast_weights(state, dtype, "export").items()}
     saved = weights_dtype(tensors, "export")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-    return write_config(cfg, out, saved)
+    return _write_config(cfg, out, saved), saved
 
 
 def write_config(cfg: DrafterConfig, out_dir: str | Path, dtype: DType) -> Path:
     """config.json and the modelling file of a drafter folder (`write_folder` adds the weights)."""
     cfg.check()
-    out = Path(out_dir)
+    return _write_config(cfg, Path(out_dir), dtype)
+
+
+def _write_config(cfg: DrafterConfig, out: Path, dtype: DType) -> Path:
+    """`write_config` of a config already checked."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(hf_config(cfg, dtype), indent=2) + "\n")
     shutil.copyfile(MODELING_FILE, out / MODELING_FILE.name)
@@ -301,8 +314,7 @@ def export(*, checkpoint: str, out: str, dtype: DType | None = None) -> Path:
         dtype: Dtype of the saved weights and of config.json's `dtype`; None: the dtype the drafter was trained in.
     """
     cfg, state, target, precision = _read_checkpoint(checkpoint)
-    folder = write_folder(cfg, state, out, dtype or PRECISION_DTYPES.get(str(precision)))
-    saved = json.loads((folder / "config.json").read_text())["dtype"]
+    folder, saved = _write_checked(cfg, state, out, dtype or PRECISION_DTYPES.get(str(precision)))
     print(f"exported {checkpoint} -> {folder} ({saved} weights, block size {cfg.block_size})")
     print_serve_commands(folder, cfg, target, saved)
     return folder

@@ -27,7 +27,7 @@ class LossSettings:
 
     objective: Literal["ce", "kl", "ce+kl"] = "ce"
     """ce: against the data tokens; kl: KL(target || drafter) of the target's own distribution; ce+kl: both."""
-    loss_weights: Literal["decay", "dpace"] = "decay"
+    loss_weights: Literal["decay", "dpace"] = "dpace"
     """decay: w_k = exp(-(k-1)/gamma); dpace: from each step's per-slot CE (DFLASH.md section 4b)."""
     alpha: float = 0.5
     """D-PACE smoothing, s_k = (1 - alpha) * q_k + alpha."""

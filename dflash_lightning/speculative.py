@@ -60,7 +60,8 @@ class DraftContext:
     """A drafter's cached context K/V per layer, at the true positions of the tokens they come from.
 
     A sliding layer of window W keeps only the last W - 1 context positions: the next block starts right after
-    them, and its slot 0 sees no further back (DFLASH.md 3b), so older K/V are never seen again.
+    them, and its slot 0 sees no further back (DFLASH.md 3b), so older K/V are never seen again. A layer's kept
+    K/V are thus always the positions just before the block's `start`, as in the exported modelling file.
     """
 
     def __init__(self, drafter: DFlashDrafter) -> None:
@@ -69,7 +70,6 @@ class DraftContext:
         self.rules = [drafter.config.attention_rule(i) for i in range(n)]  # (window, causal) per layer
         self.keys: list[Tensor | None] = [None] * n
         self.values: list[Tensor | None] = [None] * n
-        self.positions: list[Tensor | None] = [None] * n  # positions of each layer's kept context K/V
         self.length = 0
 
     def __len__(self) -> int:
@@ -84,13 +84,11 @@ class DraftContext:
         self.length += positions.numel()
         for i, layer in enumerate(self.drafter.layers):
             k, v = layer.self_attn.key_value(c, *rope)  # [n, kv_heads, D] each
-            pos = positions
             if self.keys[i] is not None:
                 k, v = torch.cat([self.keys[i], k]), torch.cat([self.values[i], v])
-                pos = torch.cat([self.positions[i], pos])
             window = self.rules[i][0]
-            drop = 0 if window is None else max(0, pos.numel() - (window - 1))
-            self.keys[i], self.values[i], self.positions[i] = k[drop:], v[drop:], pos[drop:]
+            drop = 0 if window is None else max(0, k.shape[0] - (window - 1))
+            self.keys[i], self.values[i] = k[drop:], v[drop:]
 
     @torch.no_grad()
     def block_hidden(self, block_ids: Tensor, start: int) -> Tensor:
@@ -102,16 +100,15 @@ class DraftContext:
         for i, layer in enumerate(d.layers):
             attn, h = layer.self_attn, layer.input_layernorm(x)
             k, v = attn.key_value(h, *rope)
-            key_pos = block_pos
             if self.keys[i] is not None:
                 k, v = torch.cat([self.keys[i], k]), torch.cat([self.values[i], v])
-                key_pos = torch.cat([self.positions[i], block_pos])
             # Full layers: no mask, the block sees all of the context (all before `start`) and itself both ways.
             window, causal = self.rules[i]
             mask = None
             if window is not None or causal:
-                in_block = torch.arange(key_pos.numel(), device=key_pos.device) >= key_pos.numel() - block_pos.numel()
-                mask = window_rule(block_pos[:, None], key_pos[None, :], in_block[None, :], window, causal)
+                kept = k.shape[0] - block_ids.numel()  # this layer's context K/V: the positions just before `start`
+                key_pos = torch.arange(start - kept, start + block_ids.numel(), device=block_pos.device)  # [kept + B]
+                mask = window_rule(block_pos[:, None], key_pos[None, :], (key_pos >= start)[None, :], window, causal)
             x = x + attn.attend(attn.query(h, *rope), k, v, mask)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return d.norm(x)

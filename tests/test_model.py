@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,6 +13,7 @@ from dflash_lightning.blocks import select_anchors, slot_weights
 from dflash_lightning.config import DrafterConfig
 from dflash_lightning.loss import LossSettings, chunked_head_loss
 from dflash_lightning.model import DFlashDrafter
+from dflash_lightning.module import DFlashModule
 
 
 def tiny_drafter(layers: int = 2, block: int = 4, seed: int = 0, **kw) -> DFlashDrafter:
@@ -24,6 +27,7 @@ def tiny_drafter(layers: int = 2, block: int = 4, seed: int = 0, **kw) -> DFlash
     for p in drafter.parameters():  # non-trivial norms
         p.data += 0.1 * torch.randn_like(p)
     drafter.set_target_io(torch.randn(40, 32, dtype=torch.float64), torch.randn(40, 32, dtype=torch.float64))
+    drafter.loss_settings = LossSettings(loss_weights="decay")  # the loss tests' references use the weights they pass
     return drafter
 
 
@@ -117,7 +121,8 @@ def test_chunked_loss_and_grad_match_plain_cross_entropy():
     head = torch.randn(50, 16, dtype=torch.float64)
     labels = torch.randint(0, 50, (37,))
     weights = torch.rand(37, dtype=torch.float64) * (torch.rand(37) > 0.3)
-    total, ce, used, top = chunked_head_loss(hidden, head, labels, weights, chunk=8, topk=5)
+    decay = LossSettings(loss_weights="decay")  # the weights given are the ones used
+    total, ce, used, top = chunked_head_loss(hidden, head, labels, weights, chunk=8, topk=5, settings=decay)
     loss = total / used.sum()
     (g,) = torch.autograd.grad(loss * 3, hidden)
     h2 = hidden.detach().clone().requires_grad_()
@@ -151,7 +156,7 @@ def dense_objective(hidden, head, labels, weights, teacher_hidden, settings: Los
 
 
 @pytest.mark.parametrize("settings", [
-    LossSettings("ce", "dpace"), LossSettings("kl"), LossSettings("ce+kl", temperature=2.0),
+    LossSettings("ce", "dpace"), LossSettings("kl", "decay"), LossSettings("ce+kl", "decay", temperature=2.0),
     LossSettings("kl", "dpace", alpha=0.3, temperature=0.5),
 ])
 @pytest.mark.parametrize("chunk", [4, 11, 1000])  # one block, not whole blocks (rounded down), everything at once
@@ -191,3 +196,12 @@ def test_training_forward_loss_and_weights():
     assert out.topk.shape == (12, 8, 3)
     out.loss.backward()
     assert all(p.grad is not None for p in drafter.parameters())
+
+
+def test_loss_settings_have_one_default():
+    """The module, a bare drafter and the loss function default alike: CE with D-PACE weights, as README says."""
+    params = inspect.signature(DFlashModule).parameters
+    module = LossSettings(*(params[k].default for k in ("objective", "loss_weights", "dpace_alpha", "temperature")))
+    bare = DFlashDrafter(tiny_drafter().config).loss_settings
+    loss = inspect.signature(chunked_head_loss).parameters["settings"].default
+    assert module == bare == loss == LossSettings("ce", "dpace", 0.5, 1.0)
