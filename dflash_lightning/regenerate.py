@@ -96,20 +96,32 @@ def conversation(record: Any, fmt: Literal["auto", "messages", "sharegpt"], loca
 def generate_turns(model: Any, tokenizer: Any, prompts: list[list[Message]], options: dict[str, Any],
                    template_kwargs: dict[str, Any], stop_ids: list[int],
                    stop: Sequence[str] = ()) -> list[tuple[str, bool, int]]:
-    """`(text, truncated, generated tokens, the end token included)` of the answer to each prompt, left-padded."""
+    """`(text, truncated, generated tokens)` of the answer to each prompt, generated together (left-padded); the
+    tokens are those the target generated for that row, its end token included, not the padding after it."""
     texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True, **template_kwargs)
              for p in prompts]
     # the template holds any BOS itself, as in evaluate.prompt_ids
     encoded = tokenizer(texts, add_special_tokens=False, padding=True, return_tensors="pt").to(model.device)
     out = model.generate(**encoded, **options)
+    pad_id = options.get("pad_token_id", tokenizer.pad_token_id)
     answers = []
     for row in out[:, encoded["input_ids"].shape[1]:].tolist():
         end = next((k for k, t in enumerate(row) if t in stop_ids), None)
         text = tokenizer.decode(row[:end], skip_special_tokens=True)
         # as OpenAI-compatible servers do, a stop string ends the answer and is not part of it
         cut = min((text.find(s) for s in stop if s in text), default=-1)
-        answers.append((text if cut < 0 else text[:cut], end is None and cut < 0, len(row) if end is None else end + 1))
+        answers.append((text if cut < 0 else text[:cut], end is None and cut < 0,
+                        end + 1 if end is not None else generated_length(row, pad_id)))
     return answers
+
+
+def generated_length(row: list[int], pad_id: int | None) -> int:
+    """Tokens generated in a row that has no end token: `generate` fills a row that a stop string ended with
+    `pad_id` until the batch's longest row is done, so the trailing run of `pad_id` is padding."""
+    n = len(row)
+    while n and row[n - 1] == pad_id:
+        n -= 1
+    return n
 
 
 def regenerate_batch(model: Any, tokenizer: Any, batch: list[list[Message]], options: dict[str, Any],

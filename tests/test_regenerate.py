@@ -137,3 +137,27 @@ def test_bad_lines_and_corrupt_output_raise(setup, tmp_path):
     out.write_text('{"messages": []}\n')
     with pytest.raises(ValueError, match=r"y\.jsonl:1: not a line written by regenerate"):
         rg.resume_point(out)
+
+
+
+def test_the_token_count_is_what_each_row_generated_not_its_padding(tmp_path, capsys):
+    """One batch whose answers end apart (a stop string, the limit, the end token, twice): the summary's token count
+    is the sum of what each prompt generates alone, unpadded; the padding after a stop string is not counted."""
+    target, limit, stop = Path(rg.__file__).parent / "assets" / "tiny" / "target", 16, ["tuple"]
+    lines = (target.parent / "data" / "prompts.jsonl").read_text().splitlines()
+    prompts = [json.loads(lines[k])["messages"][:1] for k in (0, 2, 5, 6)]
+    source = write_jsonl(tmp_path / "prompts.jsonl", [{"messages": m} for m in prompts])
+    rg.regenerate(input_files=[str(source)], out=str(tmp_path / "out.jsonl"), target=str(target), stop=stop,
+                  max_new_tokens=limit, batch_size=len(prompts), device="cpu", dtype="float32", progress=False)
+    counted = int(capsys.readouterr().out.split(" tokens generated")[0].rsplit(" ", 1)[-1].replace(",", ""))
+    tok = AutoTokenizer.from_pretrained(target)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    lengths = []
+    for messages in prompts:
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+        ids = tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        out = model.generate(ids, max_new_tokens=limit, do_sample=False, pad_token_id=tok.pad_token_id,
+                             eos_token_id=tok.eos_token_id, stop_strings=stop, tokenizer=tok)
+        lengths.append(out.shape[1] - ids.shape[1])
+    assert lengths[1] == limit and len(set(lengths)) >= 3  # the rows of the batch really end apart
+    assert counted == sum(lengths)
