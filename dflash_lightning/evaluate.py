@@ -266,8 +266,9 @@ def evaluate_drafter(
 ) -> dict[str, Any]:
     """Measure a drafter by speculative decoding against the target alone; write report.json and report.png.
 
-    report.json holds the report of `evaluate` for the first temperature asked (the greedy one by default) and,
-    under `per_temperature` (keys as typed: "0", "0.6"), the report of every temperature.
+    report.json holds the report of `evaluate` for the first temperature asked (greedy by default) at the top, and
+    every temperature's, the first one's again, under `per_temperature` (keys as typed: "0", "0.6"). The copy is
+    deliberate: the top level is the one-run format that one-run readers take (benchmarks, notebooks/evaluate.ipynb).
 
     Args:
         drafter: Lightning `.ckpt` of a DFlashModule, or an exported Hugging Face drafter folder.
@@ -305,7 +306,7 @@ def evaluate_drafter(
     runs = [evaluate(model, target_model, tokenizer, rows, max_new_tokens, enable_thinking=enable_thinking,
                      warmup=i == 0, temperature=t, top_p=top_p, top_k=top_k, seed=seed)
             for i, t in enumerate(temperatures)]
-    # The first temperature's report at the top (a default run's is the greedy one), every one by temperature.
+    # The first temperature's report at the top, where one-run readers look; every one, that one too, by temperature.
     report = {**runs[0], "per_temperature": {f"{run['temperature']:g}": run for run in runs}}
     report.update(drafter=str(drafter), target=str(target), device=str(device), dtype=dtype)
     out_dir = Path(out)
