@@ -151,6 +151,60 @@ def test_cached_drafting_equals_training_forward(tiny_target, target, attention)
         torch.testing.assert_close(drafter.logits(cached), drafter.logits(hidden[a]), rtol=1e-6, atol=1e-6)
 
 
+class RecordingDecoder(OracleDecoder):
+    """Records every step's block start, first token and drafter logits of slots 1..B-1; drafts as the oracle does
+    given `truth`, else the drafter's own drafts."""
+
+    def __init__(self, target_model, drafter, truth=None, prompt_len: int = 0, first_wrong_slot=None) -> None:
+        super().__init__(target_model, drafter, truth or [], prompt_len, first_wrong_slot)
+        self.own, self.steps = truth is None, []
+
+    def draft(self, context, x, start):
+        block = torch.full((self.block_size,), self.mask_token_id, dtype=torch.long)
+        block[0] = x
+        self.steps.append((start, int(x), self.drafter.logits(context.block_hidden(block, start)[1:])))
+        return SpeculativeDecoder.draft(self, context, x, start) if self.own else super().draft(context, x, start)
+
+
+def assert_drafts_are_the_training_forwards(decoder: RecordingDecoder, prompt: torch.Tensor, tokens: list[int]):
+    """Every step's drafter logits equal the training forward's (`block_hidden`) for the same anchor over the target
+    features of the whole verified prefix, made in one target pass: the decoder's drafter state was right."""
+    ids = torch.cat([prompt, torch.tensor(tokens)])  # [T]
+    with torch.no_grad():
+        states = decoder.target(input_ids=ids[None], output_hidden_states=True).hidden_states
+    features = torch.cat([states[j + 1][0] for j in decoder.layer_ids], -1)  # [T, K*H]
+    starts = torch.tensor([start for start, _, _ in decoder.steps])
+    assert [x for _, x, _ in decoder.steps] == ids[starts].tolist()
+    hidden = decoder.drafter.block_hidden(features, ids, torch.arange(ids.numel()), torch.zeros_like(ids),
+                                          starts, torch.ones_like(starts, dtype=torch.bool))  # [steps, B, H]
+    torch.testing.assert_close(torch.stack([logits for _, _, logits in decoder.steps]),
+                               decoder.drafter.logits(hidden[:, 1:]), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("attention", [{}, SLIDING, {**SLIDING, "is_causal": False}], ids=["full", "sliding",
+                                                                                         "sliding-bidir"])
+def test_decoder_drafts_are_the_training_forwards_step_by_step(target, attention):
+    """Over whole generations (greedy with the oracle's drafts, so that steps accept 0..B-1 and the context grows by
+    a + 1; sampled with the drafter's own), each step's drafter logits are the training forward's from the same
+    prefix, a sliding layer's dropped K/V included. Losslessness holds for any drafts: only this catches a wrong
+    drafter state in the decoding loop."""
+    B = 4
+    drafter = random_drafter(target, B, layers=2, **attention)
+    g = torch.Generator().manual_seed(0)
+    for i, ids in enumerate(random_prompts(4, seed=7)):
+        if i % 2:
+            decoder = RecordingDecoder(target, drafter)
+            out = decoder.generate(ids, 20, temperature=1.0, generator=g)
+        else:
+            truth = target_generate(target, ids, 20).tokens
+            decoder = RecordingDecoder(target, drafter, truth, ids.numel(),
+                                       lambda: int(torch.randint(1, B + 1, (1,), generator=g)))
+            out = decoder.generate(ids, 20)
+            assert out.tokens == truth and {0, B - 1} <= set(out.accepted_lengths)
+        assert ids.numel() + len(out.tokens) > 2 * SLIDING["sliding_window"]  # the window drops K/V
+        assert_drafts_are_the_training_forwards(decoder, ids, out.tokens)
+
+
 # -- speculative sampling (DFLASH.md section 6b) ---------------------------------------------------------------------
 
 def chi_square_p(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> float:
@@ -236,7 +290,8 @@ def test_speculative_sampling_is_lossless(drafting):
     """The decoder's sequences at temperature 1 follow the target's exact sequence distribution (chi-square over
     all V^L sequences, rare ones pooled); sampling the residual from P instead of P without d_k fails it
     (p < 1e-40 at these sizes, checked once by breaking the rule). `table`: drafts from a fixed table, likely and
-    unlikely ones; `sliding`: a sliding-window drafter's own drafts (DFLASH.md 3b), through the whole real path."""
+    unlikely ones; `sliding`: a sliding-window drafter's own drafts (DFLASH.md 3b), through the whole real path.
+    Sampling is lossless whatever the drafts, so `sliding` also holds its drafts to the training forward's."""
     V, L, B, samples = 5, 5, 4, 400
     config = Qwen3Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                          num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=64,
@@ -255,17 +310,22 @@ def test_speculative_sampling_is_lossless(drafting):
     exact = probs[:, -1] * probs[rows[:, None], torch.arange(L - 1), prefixes].prod(-1, keepdim=True)  # [V^(L-1), V]
     # drafts: the target's greedy continuation of prompt + x, right often at the first slots and less later
     table = {x: target_generate(target, torch.cat([prompt, torch.tensor([x])]), B - 1).tokens for x in range(V)}
-    window = {"layer_types": ["sliding_attention"], "sliding_window": 3} if drafting == "sliding" else {}
-    drafter = DFlashDrafter(DrafterConfig(num_layers=1, block_size=B, mask_token_id=V - 1, gamma=4.0,
-                                          **window).resolved(config))
+    # two layers: with one, slots 1..B-1 never see the context that only slot 0's window reaches
+    window = {"layer_types": ["sliding_attention"] * 2, "sliding_window": 3} if drafting == "sliding" else {}
+    drafter = DFlashDrafter(DrafterConfig(num_layers=2 if window else 1, block_size=B, mask_token_id=V - 1,
+                                          gamma=4.0, **window).resolved(config))
     drafter.set_target_io(target.model.embed_tokens.weight.detach(), target.lm_head.weight.detach())
-    decoder = TableDecoder(target, drafter.eval(), table) if drafting == "table" else SpeculativeDecoder(
+    decoder = TableDecoder(target, drafter.eval(), table) if drafting == "table" else RecordingDecoder(
         target, drafter.eval())
     g = torch.Generator().manual_seed(0)
     counts, accepted = torch.zeros(V ** L), []
-    for _ in range(samples):
+    for n in range(samples):
         out = decoder.generate(prompt, L, temperature=1.0, generator=g)
         assert len(out.tokens) == L
+        if drafting == "sliding":
+            if n < 40:  # the window (3) drops K/V: the sequence is 8 long
+                assert_drafts_are_the_training_forwards(decoder, prompt, out.tokens)
+            decoder.steps.clear()
         counts[sum(t * V ** (L - 1 - i) for i, t in enumerate(out.tokens))] += 1
         accepted += out.accepted_lengths
     if drafting == "table":
