@@ -1,14 +1,22 @@
-"""Atomic file writes: a reader sees the old file or the whole new one, never a torn one.
+"""Atomic file and folder writes: a reader sees the old file (folder) or the whole new one, never a torn one.
 
-The temporary file lives beside the final path (same filesystem), so the rename is atomic.
+The temporary file or folder lives beside the final path (same filesystem), so the rename is atomic.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
+import logging
 import os
+import shutil
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 def fsync_dir(folder: Path) -> None:
@@ -40,3 +48,75 @@ def write_atomic(path: Path, write: Any, suffix: str = ".tmp") -> None:
 def write_json(path: Path, obj: Any) -> None:
     """A JSON file written atomically."""
     write_atomic(path, lambda tmp: tmp.write_text(json.dumps(obj, indent=1)))
+
+
+def fsync_tree(folder: Path) -> None:
+    """Make every file and folder under `folder` durable (folders after their entries)."""
+    for root, _dirs, files in os.walk(folder, topdown=False):
+        for name in files:
+            path = Path(root, name)
+            if not path.is_symlink():
+                with path.open("rb") as f:
+                    os.fsync(f.fileno())
+        fsync_dir(Path(root))
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one step (Linux renameat2 RENAME_EXCHANGE); False where the system or filesystem lacks it."""
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None) if sys.platform == "linux" else None
+    if renameat2 is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
+def write_dir_atomic(path: Path, write: Callable[[Path], None], suffix: str = ".tmp") -> None:
+    """`write(tmp_folder)`, fsync its tree, then put it at `path`: a reader sees the old folder or the whole new one.
+
+    The temporary folder is `.<name>.<pid><suffix>` beside `path` (a symlink `path` is written through); an existing
+    folder is swapped out in one step and then removed. A write that fails removes the temporary folder and leaves
+    `path` as it was. Where the filesystem cannot swap (not Linux, some network filesystems) the old folder is moved
+    aside to `.<name>.<pid>.old` first, so a kill in that instant leaves it there, complete, and `path` missing.
+    """
+    path = path.resolve() if path.is_symlink() else path
+    if path.exists() and not path.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, "not a folder", str(path))
+    tmp = path.with_name(f".{path.name}.{os.getpid()}{suffix}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a killed process of the same pid
+    tmp.mkdir()
+    try:
+        write(tmp)
+        if path.is_dir():
+            shutil.copymode(path, tmp)
+        fsync_tree(tmp)
+        if not path.exists():
+            os.rename(tmp, path)
+        elif _exchange(tmp, path):
+            _remove(tmp)  # now the old folder
+        else:
+            old = path.with_name(f".{path.name}.{os.getpid()}.old")
+            os.rename(path, old)
+            try:
+                os.rename(tmp, path)
+            except BaseException:
+                os.rename(old, path)
+                raise
+            _remove(old)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def _remove(folder: Path) -> None:
+    """Remove a replaced folder; one that cannot be removed is named in a warning (the new folder is in place)."""
+    shutil.rmtree(folder, ignore_errors=True)
+    if folder.exists():
+        log.warning(f"could not remove {folder}, the folder it replaced; delete it by hand")
