@@ -1,15 +1,20 @@
 """Export a trained drafter as the Hugging Face folder inference engines load (DFLASH.md section 7), and back.
 
-`export_checkpoint` writes config.json (with the weights' `dtype`), model.safetensors and the modelling file;
+`export_checkpoint` writes config.json (with the weights' `dtype`), model.safetensors and the modelling file, all or
+nothing (`replace_folder`);
 `serve_commands` are the vLLM and SGLang commands for the folder; `import_folder` reads such a folder (ours or a
 published one) for fine-tuning or evaluation; `load_drafter` loads either for evaluation.
 """
 
 from __future__ import annotations
 
+import glob
 import json
+import logging
+import os
 import shlex
 import shutil
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,12 +23,20 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from dflash_lightning.atomic import write_dir_atomic
 from dflash_lightning.checkpointing import CheckpointError, load_checkpoint, nonfinite_weights
 from dflash_lightning.config import ConfigError, DrafterConfig, _rope_settings
 from dflash_lightning.model import DFlashDrafter
 from dflash_lightning.target import DTYPES, load_target_config, load_target_io, weight_map
 
+log = logging.getLogger(__name__)
+
 MODELING_FILE = Path(__file__).parent / "hf" / "modeling_dflash.py"
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILES = ("config.json", MODELING_FILE.name)
+# What an existing folder may hold that engines or transformers load as weights (with `*.index.json`).
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+TMP_SUFFIX = ".tmp"  # `.{name}.{pid}.tmp` beside the folder while it is written
 # Fields a drafter folder's config.json must have; head_dim and attention_bias have Qwen3 defaults.
 REQUIRED_FIELDS = (
     "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
@@ -36,6 +49,10 @@ PRECISION_DTYPES = {
     "bf16-true": "bfloat16", "bf16-mixed": "bfloat16", "bf16": "bfloat16", "16-true": "float16",
     "16-mixed": "float16", "16": "float16", "32-true": "float32", "32": "float32",
 }
+
+
+class ExportError(CheckpointError):
+    """A drafter folder that cannot be written; the message is one line that starts with the folder."""
 
 
 def hf_config(cfg: DrafterConfig, dtype: DType) -> dict[str, Any]:
@@ -232,24 +249,77 @@ def _write_checked(cfg: DrafterConfig, state: dict[str, Tensor], out_dir: str | 
 
     tensors = {k: v.detach().cpu().contiguous() for k, v in cast_weights(state, dtype, "export").items()}
     saved = weights_dtype(tensors, "export")
+
+    def write(tmp: Path) -> None:
+        save_file(tensors, tmp / WEIGHTS_FILE, metadata={"format": "pt"})
+        _config_files(cfg, tmp, saved)
+
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-    return _write_config(cfg, out, saved), saved
+    replace_folder(out, write, {WEIGHTS_FILE, *CONFIG_FILES})
+    return out, saved
 
 
 def write_config(cfg: DrafterConfig, out_dir: str | Path, dtype: DType) -> Path:
     """config.json and the modelling file of a drafter folder (`write_folder` adds the weights)."""
     cfg.check()
-    return _write_config(cfg, Path(out_dir), dtype)
+    out = Path(out_dir)
+    replace_folder(out, lambda tmp: _config_files(cfg, tmp, dtype), set(CONFIG_FILES))
+    return out
 
 
-def _write_config(cfg: DrafterConfig, out: Path, dtype: DType) -> Path:
-    """`write_config` of a config already checked."""
-    out.mkdir(parents=True, exist_ok=True)
+def _config_files(cfg: DrafterConfig, out: Path, dtype: DType) -> None:
+    """config.json and the modelling file of a config already checked, written into `out`."""
     (out / "config.json").write_text(json.dumps(hf_config(cfg, dtype), indent=2) + "\n")
     shutil.copyfile(MODELING_FILE, out / MODELING_FILE.name)
-    return out
+
+
+def replace_folder(out: Path, write: Callable[[Path], None], names: set[str]) -> None:
+    """Write the drafter folder `out` all or nothing: `write(tmp)` writes the files `names`, the folder's other
+    files are carried over (hard links), and the whole is put in place in one step (`write_dir_atomic`).
+
+    Weight files the write does not replace (other shards, an index, `.bin`) are refused, naming them: engines
+    would load them with, or instead of, the new weights, and deleting them would lose them.
+    """
+    out = out.resolve() if out.is_symlink() else out
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"{out}: exists and is not a folder")
+    kept = sorted(p for p in out.iterdir() if p.name not in names) if out.is_dir() else []
+    stale = [p.name for p in kept if p.suffix in WEIGHT_SUFFIXES or p.name.endswith(".index.json")]
+    if stale:
+        raise ExportError(f"{out}: holds weight files this export does not write: {', '.join(stale)}; engines "
+                          "would load them too, so move them away or export to another folder")
+    for leftover in out.parent.glob(f".{glob.escape(out.name)}.*{TMP_SUFFIX}"):
+        log.warning(f"{leftover}: left by an export that did not finish; never read, safe to delete")
+    for leftover in out.parent.glob(f".{glob.escape(out.name)}.*.old"):
+        log.warning(f"{leftover}: a complete earlier {out.name}, moved aside by an export that did not finish")
+
+    def write_all(tmp: Path) -> None:
+        write(tmp)
+        for path in kept:
+            _carry_over(path, tmp / path.name)
+
+    try:
+        write_dir_atomic(out, write_all, suffix=TMP_SUFFIX)
+    except OSError as err:
+        raise ExportError(f"{out}: export failed, the folder is as it was: {err}") from err
+
+
+def _carry_over(src: Path, dst: Path) -> None:
+    """A file, symlink or folder of the old drafter folder, in the new one: hard links where the filesystem allows."""
+    if src.is_symlink():
+        os.symlink(os.readlink(src), dst)
+    elif src.is_dir():
+        shutil.copytree(src, dst, symlinks=True, copy_function=_link_or_copy)
+    else:
+        _link_or_copy(src, dst)
+
+
+def _link_or_copy(src: str | Path, dst: str | Path) -> None:
+    """A hard link of `src` at `dst` (no copy of the data), or a copy where linking is refused."""
+    try:
+        os.link(src, dst, follow_symlinks=False)
+    except OSError:
+        shutil.copy2(src, dst)
 
 
 def import_folder(folder: str | Path) -> tuple[DrafterConfig, dict[str, Tensor]]:
@@ -334,7 +404,7 @@ def print_serve_commands(folder: Path, cfg: DrafterConfig, target: str | None, d
 
 
 __all__ = [
-    "build_drafter", "cast_weights", "check_state_dict", "export_checkpoint", "hf_config", "import_folder",
-    "load_drafter", "print_serve_commands", "read_checkpoint", "read_drafter", "serve_commands", "weights_dtype",
-    "write_config", "write_folder",
+    "ExportError", "build_drafter", "cast_weights", "check_state_dict", "export_checkpoint", "hf_config",
+    "import_folder", "load_drafter", "print_serve_commands", "read_checkpoint", "read_drafter", "replace_folder",
+    "serve_commands", "weights_dtype", "write_config", "write_folder",
 ]

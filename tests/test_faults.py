@@ -27,7 +27,7 @@ from dflash_lightning.checkpointing import (
     newest_complete_checkpoint,
 )
 from dflash_lightning.cli import cli_main
-from dflash_lightning.export import export_checkpoint, read_drafter
+from dflash_lightning.export import ExportError, export_checkpoint, read_drafter
 from dflash_lightning.module import NonFiniteError
 from dflash_lightning.preemption import Preempted, Preemption
 
@@ -390,3 +390,76 @@ def test_automatic_resume_falls_back_past_a_damaged_newest_checkpoint(good_check
     assert cli.trainer.global_step == 5
     assert f"resuming from {folder / 'step=2.ckpt'}" in caplog.text and "skipping damaged checkpoint" in caplog.text
     assert sorted(p.name for p in folder.glob("*.damaged")) == ["last.ckpt.damaged", "step=4.ckpt.damaged"]
+
+
+# ------------------------------------------------------------------------------------------- 8: export writes
+
+
+def folder_bytes(folder: Path) -> dict[str, bytes]:
+    """Every file under `folder`, by relative path."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def half_written_save(real):
+    """safetensors' save_file that writes half the file, then fails as a full disk stops it."""
+    def save_file(tensors, filename, metadata=None):
+        real(tensors, filename, metadata)
+        data = Path(filename).read_bytes()
+        Path(filename).write_bytes(data[: len(data) // 2])
+        raise OSError(errno.ENOSPC, "No space left on device")
+    return save_file
+
+
+@pytest.mark.parametrize("fault", ["weights half written", "config after the weights"])
+def test_export_failing_midway_leaves_the_existing_folder_as_it_was(good_checkpoints, tmp_path, monkeypatch, fault):
+    import safetensors.torch
+
+    import dflash_lightning.export as export_module
+
+    out = export_checkpoint(good_checkpoints / "checkpoints" / "step=2.ckpt", tmp_path / "hf")
+    (out / "README.md").write_text("the user's model card\n")
+    before = folder_bytes(out)
+    if fault == "weights half written":
+        monkeypatch.setattr(safetensors.torch, "save_file", half_written_save(safetensors.torch.save_file))
+        expected = ExportError, "export failed, the folder is as it was: .*No space left on device"
+    else:
+        def killed(*args, **kwargs):
+            raise KeyboardInterrupt  # as a Ctrl-C between the weights and config.json
+        monkeypatch.setattr(export_module, "hf_config", killed)
+        expected = KeyboardInterrupt, ""
+    with pytest.raises(expected[0], match=expected[1]):
+        export_checkpoint(good_checkpoints / "checkpoints" / "step=4.ckpt", out)
+    assert folder_bytes(out) == before  # the old weights with their own config.json, byte for byte
+    assert sorted(os.listdir(tmp_path)) == ["hf"]  # and no temporary folder left beside it
+
+
+@pytest.mark.parametrize("swap", [True, False], ids=["swapped", "moved aside"])
+def test_reexport_replaces_the_folder_and_carries_the_users_files_over(good_checkpoints, tmp_path, monkeypatch, swap):
+    if not swap:  # a filesystem without renameat2's exchange (not Linux, some network filesystems)
+        monkeypatch.setattr("dflash_lightning.atomic._exchange", lambda a, b: False)
+    ckpts = good_checkpoints / "checkpoints"
+    out = export_checkpoint(ckpts / "step=2.ckpt", tmp_path / "hf")
+    users = {"README.md": b"card\n", "tokenizer/tokenizer.json": b"{}"}
+    (out / "tokenizer").mkdir()
+    for name, data in users.items():
+        (out / name).write_bytes(data)
+    old = folder_bytes(out)
+    fresh = folder_bytes(export_checkpoint(ckpts / "step=4.ckpt", tmp_path / "fresh"))
+    assert export_checkpoint(ckpts / "step=4.ckpt", out) == out
+    new = folder_bytes(out)
+    assert new["model.safetensors"] != old["model.safetensors"]
+    assert new == fresh | users
+    assert sorted(os.listdir(tmp_path)) == ["fresh", "hf"]
+
+
+def test_export_over_a_folder_with_other_weights_is_refused_naming_them(good_checkpoints, tmp_path):
+    out = export_checkpoint(good_checkpoints / "checkpoints" / "step=2.ckpt", tmp_path / "hf")
+    stale = ["model-00001-of-00002.safetensors", "model.safetensors.index.json"]  # a sharded drafter was here
+    for name in stale:
+        (out / name).write_text("{}")
+    before = folder_bytes(out)
+    with pytest.raises(ExportError) as err:
+        export_checkpoint(good_checkpoints / "checkpoints" / "step=4.ckpt", out)
+    message = str(err.value)
+    assert message.startswith(f"{out}: ") and all(name in message for name in stale) and "\n" not in message
+    assert folder_bytes(out) == before and sorted(os.listdir(tmp_path)) == ["hf"]
