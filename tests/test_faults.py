@@ -463,3 +463,25 @@ def test_export_over_a_folder_with_other_weights_is_refused_naming_them(good_che
     message = str(err.value)
     assert message.startswith(f"{out}: ") and all(name in message for name in stale) and "\n" not in message
     assert folder_bytes(out) == before and sorted(os.listdir(tmp_path)) == ["hf"]
+
+
+def test_folder_moved_aside_comes_back_when_the_new_one_cannot_be_put_in_place(tmp_path, monkeypatch):
+    """Where the filesystem cannot swap folders, a failure between the two renames restores the old folder."""
+    from dflash_lightning.atomic import write_dir_atomic
+
+    folder = tmp_path / "hf"
+    write_dir_atomic(folder, lambda tmp: (tmp / "config.json").write_text("old"))
+    monkeypatch.setattr("dflash_lightning.atomic._exchange", lambda a, b: False)
+    real_rename, calls = os.rename, []
+
+    def rename(src, dst):
+        calls.append(Path(dst).name)
+        if len(calls) == 2:  # the new folder into place
+            raise OSError(errno.EIO, "Input/output error")
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(OSError, match="Input/output error"):
+        write_dir_atomic(folder, lambda tmp: (tmp / "config.json").write_text("new"))
+    assert calls[0].endswith(".old") and calls[1:] == ["hf", "hf"]
+    assert folder_bytes(folder) == {"config.json": b"old"} and sorted(os.listdir(tmp_path)) == ["hf"]
