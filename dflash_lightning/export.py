@@ -380,7 +380,8 @@ def export(*, checkpoint: str, out: str, dtype: DType | None = None) -> Path:
 
     Args:
         checkpoint: Lightning `.ckpt` file written while training a DFlashModule.
-        out: Folder to write config.json, model.safetensors and modeling_dflash.py to.
+        out: Folder to write config.json, model.safetensors and modeling_dflash.py to, all or nothing; other files
+            already in it are kept, other weight files are refused.
         dtype: Dtype of the saved weights and of config.json's `dtype`; None: the dtype the drafter was trained in.
     """
     cfg, state, target, precision = _read_checkpoint(checkpoint)
