@@ -293,6 +293,17 @@ def test_mismatched_cache_is_refused_naming_the_field(setup, tmp_path):
         make_dm(setup, feature_cache=str(tmp_path)).setup("fit")
 
 
+def test_cache_refuses_an_fp8_target_and_a_compiled_one_off_cuda(setup, tmp_path, monkeypatch):
+    """The target's settings are honoured or refused, never ignored: FP8 features are not cached, compile is CUDA's."""
+    loaded = []
+    monkeypatch.setattr(FeatureExtractor, "from_pretrained", lambda *a, **k: loaded.append(a))
+    with pytest.raises(ConfigError, match="target.fp8: the cache stores the features of the target in target.dtype"):
+        cache_cli(setup, tmp_path / "fp8", "--target.fp8=true", "--target.dtype=bfloat16")
+    with pytest.raises(ConfigError, match="target.compile: compiles the target's layers on CUDA GPUs, .* on cpu"):
+        cache_cli(setup, tmp_path / "compiled", "--target.compile=true")
+    assert not loaded
+
+
 def test_damaged_shards_are_named(setup, tmp_path):
     folder = tmp_path / "damaged"
     shutil.copytree(setup["root"] / "bf16", folder)

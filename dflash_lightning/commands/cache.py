@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from dflash_lightning.commands.fit import DFlashCLI
+from dflash_lightning.config import ConfigError
 from dflash_lightning.data import DFlashDataModule
 from dflash_lightning.data.feature_cache import FeatureCache, FeatureFormat, data_header, target_header
 from dflash_lightning.data.feature_cache_writer import write_cache
@@ -41,6 +42,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                    save_config_kwargs={"overwrite": True}, auto_configure_optimizers=False)
     config, dm, module = cli.config, cli.datamodule, cli.model
     target = cli.config_init["target"]
+    if target.fp8:  # fit refuses FP8 target features from a cache; writing bf16-target ones would ignore the setting
+        raise ConfigError("target.fp8: the cache stores the features of the target in target.dtype, and fit does not "
+                          "take FP8 target features from a cache; drop target.fp8 to write it")
     drafter = module.drafter_config
     if config.verify:
         cache = FeatureCache(config.out)
@@ -56,6 +60,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         dm, target.path, drafter.target_layer_ids, drafter.hidden_size, config.out, config.format, target.dtype,
         target.attn_implementation, int(config.shard_gb * 1e9), config.forward_tokens,
         {"accelerator": trainer_cfg.accelerator, "devices": trainer_cfg.devices, "num_nodes": trainer_cfg.num_nodes},
-        module.loss_settings.distills if config.final_hidden is None else config.final_hidden,
+        module.loss_settings.distills if config.final_hidden is None else config.final_hidden, target.compile,
     )
 

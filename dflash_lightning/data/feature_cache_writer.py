@@ -20,6 +20,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
 from dflash_lightning.atomic import write_atomic, write_json
+from dflash_lightning.config import ConfigError
 from dflash_lightning.data.feature_cache import (
     COMPARED,
     MANIFEST,
@@ -101,19 +102,26 @@ class FeatureModule(LightningModule):
     allow_zero_length_dataloader_with_multiple_devices = True  # a rank may have no shard left to write
 
     def __init__(self, path: str, layer_ids: list[int], dtype: str, attn_implementation: str,
-                 feature_format: FeatureFormat, final_hidden: bool = False) -> None:
+                 feature_format: FeatureFormat, final_hidden: bool = False, compile_target: bool = False) -> None:
         super().__init__()
         self.path, self.layer_ids, self.dtype_name = path, list(layer_ids), dtype
         self.attn_implementation, self.feature_format = attn_implementation, feature_format
-        self.final_hidden = final_hidden
+        self.final_hidden, self.compile_target = final_hidden, compile_target
         self.extractor: FeatureExtractor | None = None
 
     def configure_model(self) -> None:
-        if self.extractor is None:
-            self.extractor = FeatureExtractor.from_pretrained(
-                self.path, self.layer_ids, DTYPES[self.dtype_name], self.trainer.strategy.root_device,
-                self.attn_implementation, final_hidden=self.final_hidden,
-            )
+        if self.extractor is not None:
+            return
+        device = self.trainer.strategy.root_device
+        if self.compile_target and device.type != "cuda":
+            raise ConfigError(f"target.compile: compiles the target's layers on CUDA GPUs, the cache runs on {device}; "
+                              "drop target.compile (the CPU runs the target eager)")
+        self.extractor = FeatureExtractor.from_pretrained(
+            self.path, self.layer_ids, DTYPES[self.dtype_name], device, self.attn_implementation,
+            final_hidden=self.final_hidden,
+        )
+        if self.compile_target:
+            self.extractor.compile_layers()
 
     def predict_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Tensor]:
         fields = self.extractor.extract(batch["input_ids"], batch["position_ids"])
@@ -267,11 +275,12 @@ def write_cache(
     dm: DFlashDataModule, target: str, layer_ids: Sequence[int], hidden_size: int, out: str | Path,
     feature_format: FeatureFormat = "bf16", target_dtype: str = "bfloat16", attn_implementation: str = "auto",
     shard_bytes: int = 1_000_000_000, forward_tokens: int | None = None, trainer_kwargs: dict[str, Any] | None = None,
-    final_hidden: bool = False,
+    final_hidden: bool = False, compile_target: bool = False,
 ) -> dict[str, Any]:
     """Runs the target over `dm`'s samples with `Trainer.predict` and writes (or finishes) the cache; the manifest.
 
-    `final_hidden` also stores the target's final normed hidden states, the teacher of distillation.
+    `final_hidden` also stores the target's final normed hidden states, the teacher of distillation;
+    `compile_target` compiles the target's layers (CUDA), as `target.compile` does in fit.
     """
     from lightning.pytorch.callbacks import RichProgressBar
 
@@ -279,7 +288,8 @@ def write_cache(
     forward_tokens = forward_tokens or dm.token_budget
     manifest, samples = cache_manifest(dm, target, target_dtype, layer_ids, hidden_size, feature_format,
                                        shard_bytes, forward_tokens, final_hidden)
-    module = FeatureModule(target, list(layer_ids), target_dtype, attn_implementation, feature_format, final_hidden)
+    module = FeatureModule(target, list(layer_ids), target_dtype, attn_implementation, feature_format, final_hidden,
+                           compile_target)
     writer = ShardWriter(folder, manifest, samples)
     trainer = Trainer(**{"accelerator": "auto", "devices": "auto", **(trainer_kwargs or {})}, logger=False,
                       enable_checkpointing=False, enable_model_summary=False, use_distributed_sampler=False,
