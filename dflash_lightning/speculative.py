@@ -11,6 +11,7 @@ import inspect
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -155,9 +156,7 @@ class SpeculativeDecoder:
         distributed as `target_generate` with the same settings (`generator`: the random stream; None: torch's)."""
         from transformers import DynamicCache
 
-        check_sampling(temperature, top_p, top_k)
-        sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, generator=generator)
-        stop = _stop_set(eos_token_id)
+        sampling, stop = _decoding(eos_token_id, temperature, top_p, top_k, generator)
         input_ids = input_ids.flatten()
         device = input_ids.device
         t0 = _now(device)
@@ -205,9 +204,7 @@ def target_generate(
     sampled from its distribution with temperature, top-p and top-k applied."""
     from transformers import DynamicCache
 
-    check_sampling(temperature, top_p, top_k)
-    sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, generator=generator)
-    stop = _stop_set(eos_token_id)
+    sampling, stop = _decoding(eos_token_id, temperature, top_p, top_k, generator)
     input_ids = input_ids.flatten()
     device = input_ids.device
     t0 = _now(device)
@@ -230,10 +227,14 @@ def _cache_arg(model: nn.Module) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def _stop_set(eos_token_id: int | Iterable[int] | None) -> set[int]:
+def _decoding(eos_token_id: int | Iterable[int] | None, temperature: float, top_p: float, top_k: int,
+              generator: torch.Generator | None) -> tuple[dict[str, Any], set[int]]:
+    """The checked sampling settings (keyword arguments of `next_token`/`verify_drafts`) and the stop tokens."""
+    check_sampling(temperature, top_p, top_k)
+    sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, generator=generator)
     if eos_token_id is None:
-        return set()
-    return {int(eos_token_id)} if isinstance(eos_token_id, int) else {int(t) for t in eos_token_id}
+        return sampling, set()
+    return sampling, {int(eos_token_id)} if isinstance(eos_token_id, int) else {int(t) for t in eos_token_id}
 
 
 def _truncate(tokens: list[int], max_new_tokens: int, stop: set[int]) -> list[int]:
