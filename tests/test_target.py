@@ -78,6 +78,16 @@ def test_compiled_target_layers_give_the_eager_features_from_one_graph(tiny_targ
     torch._dynamo.reset()
 
 
+def test_target_features_compile_the_layers_they_load_when_asked(tiny_target):
+    from dflash_lightning.target import TargetFeatures
+    from dflash_lightning.target.loading import decoder_layers
+
+    for compile in (False, True):
+        extractor = TargetFeatures(str(tiny_target), "float32", compile=compile).load_extractor("cpu", [1, 3])
+        compiled = [layer._compiled_call_impl is not None for layer in decoder_layers(extractor.model)]
+        assert compiled == [compile] * 4
+
+
 def test_target_compile_is_refused_off_cuda_and_when_sharded(tiny_target):
     from types import SimpleNamespace
 
