@@ -280,7 +280,11 @@ def replace_folder(out: Path, write: Callable[[Path], None], names: set[str]) ->
     Weight files the write does not replace (other shards, an index, `.bin`) are refused, naming them: engines
     would load them with, or instead of, the new weights, and deleting them would lose them.
     """
-    out = out.resolve() if out.is_symlink() else out
+    out = Path(os.path.abspath(out.resolve() if out.is_symlink() else out))  # "." and ".." name a folder too
+    here = Path.cwd().resolve()
+    if out.resolve() == here or out.resolve() in here.parents:
+        raise ExportError(f"{out}: is the current folder or holds it; the export replaces the folder whole, which "
+                          "would leave this shell in a deleted one: run it from outside the folder")
     if out.exists() and not out.is_dir():
         raise ExportError(f"{out}: exists and is not a folder")
     kept = sorted(p for p in out.iterdir() if p.name not in names) if out.is_dir() else []

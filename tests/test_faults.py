@@ -465,6 +465,21 @@ def test_export_over_a_folder_with_other_weights_is_refused_naming_them(good_che
     assert folder_bytes(out) == before and sorted(os.listdir(tmp_path)) == ["hf"]
 
 
+def test_export_into_the_current_folder_is_refused_and_a_relative_one_works(good_checkpoints, tmp_path, monkeypatch):
+    """The swap would leave the shell in a deleted folder; "sub/.." style names are the folder they resolve to."""
+    ckpt = good_checkpoints / "checkpoints" / "step=2.ckpt"
+    out = export_checkpoint(ckpt, tmp_path / "hf")
+    before = folder_bytes(out)
+    (out / "sub").mkdir()
+    for cwd, name in ((out, "."), (out / "sub", ".."), (out, str(out))):
+        monkeypatch.chdir(cwd)
+        with pytest.raises(ExportError, match=f"^{out}: is the current folder or holds it"):
+            export_checkpoint(ckpt, Path(name))
+    monkeypatch.chdir(tmp_path)
+    assert export_checkpoint(ckpt, Path("sub/../other")).resolve() == (tmp_path / "other").resolve()
+    assert folder_bytes(out) == before and folder_bytes(tmp_path / "other") == before
+
+
 def test_folder_moved_aside_comes_back_when_the_new_one_cannot_be_put_in_place(tmp_path, monkeypatch):
     """Where the filesystem cannot swap folders, a failure between the two renames restores the old folder."""
     from dflash_lightning.atomic import write_dir_atomic
