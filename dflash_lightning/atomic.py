@@ -84,7 +84,7 @@ def write_dir_atomic(path: Path, write: Callable[[Path], None], suffix: str = ".
     `path` as it was. Where the filesystem cannot swap (not Linux, some network filesystems) the old folder is moved
     aside to `.<name>.<pid>.old` first, so a kill in that instant leaves it there, complete, and `path` missing.
     """
-    path = path.resolve() if path.is_symlink() else path
+    path = path.resolve() if path.is_symlink() else Path(os.path.abspath(path))  # "." has no name to put beside
     if path.exists() and not path.is_dir():
         raise NotADirectoryError(errno.ENOTDIR, "not a folder", str(path))
     tmp = path.with_name(f".{path.name}.{os.getpid()}{suffix}")
