@@ -661,14 +661,15 @@ def main() -> None:
             report("fp8_target_feature_difference_tiny", attempt(tiny_feature_difference, tiny))
         if args.curve_steps and "curves" not in skip:
             # The same batches and anchors (seeded) in every mode: the curves differ by precision alone.
-            curves, data = {}, lambda: RandomData(8192, pool=32, steps=args.curve_steps + 1)
+            curves, references, data = {}, {}, lambda: RandomData(8192, pool=32, steps=args.curve_steps + 1)
             modes = [("bf16-mixed", *c.split(":")) if ":" in c else (c, "none", "rowwise")
                      for c in args.curves.split(",")]
             seeds = [int(v) for v in args.curve_seeds.split(",")]
             for (precision, fp8, recipe), seed in itertools.product(modes, seeds):
                 curve = LossCurve()
-                name = f"{precision}" + (f"[fp8={fp8},{recipe}]" if fp8 != "none" else "")
-                name += f" seed {seed}" if seed else ""
+                suffix = f" seed {seed}" if seed else ""
+                name = precision + (f"[fp8={fp8},{recipe}]" if fp8 != "none" else "") + suffix
+                references[name] = "bf16-mixed" + suffix  # the reference of its seed
                 run = attempt(run_fit, target, True, None, 8, args.curve_steps - 8, ShiftedTokenFeatures(), logs,
                               precision=precision, fp8=fp8, fp8_recipe=recipe, data=data(), extra=[curve],
                               **recipe_kw, progress=progress, name=f"curve {name}", seed=seed)
@@ -676,7 +677,7 @@ def main() -> None:
                 report("loss_curves_partial", {n: c["loss"][::5] if "loss" in c else c for n, c in curves.items()})
             summary = {}  # each curve against bf16-mixed of its own seed (the seeds' spread is bf16-mixed's own)
             for n, c in curves.items():
-                ref = curves.get("bf16-mixed" + (n.partition(" seed")[1] + n.partition(" seed")[2]), {}).get("loss")
+                ref = curves.get(references[n], {}).get("loss")
                 if ref and "loss" in c:
                     summary[n] = curve_difference(c["loss"], ref)
             report("loss_curves", {"steps": args.curve_steps, "vs_bf16_mixed": summary,

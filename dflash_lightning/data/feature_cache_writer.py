@@ -20,7 +20,6 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
 from dflash_lightning.atomic import write_atomic, write_json
-from dflash_lightning.config import ConfigError
 from dflash_lightning.data.feature_cache import (
     COMPARED,
     MANIFEST,
@@ -113,9 +112,8 @@ class FeatureModule(LightningModule):
         if self.extractor is not None:
             return
         device = self.trainer.strategy.root_device
-        if self.compile_target and device.type != "cuda":
-            raise ConfigError(f"target.compile: compiles the target's layers on CUDA GPUs, the cache runs on {device}; "
-                              "drop target.compile (the CPU runs the target eager)")
+        if self.compile_target:
+            FeatureExtractor.check_compile_device(device)
         self.extractor = FeatureExtractor.from_pretrained(
             self.path, self.layer_ids, DTYPES[self.dtype_name], device, self.attn_implementation,
             final_hidden=self.final_hidden,

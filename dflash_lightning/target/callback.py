@@ -90,9 +90,8 @@ class TargetFeatures(Callback):
         for device in devices:  # before any weight is read
             if self.fp8:
                 require_fp8(device, "target.fp8")
-            if self.compile and torch.device(device).type != "cuda":
-                raise ConfigError(f"target.compile: compiles the target's layers on CUDA GPUs, the target is on "
-                                  f"{device}; drop target.compile (the CPU runs the target eager)")
+            if self.compile:
+                FeatureExtractor.check_compile_device(device)
         if self.placement == "colocated":
             self.extractor = self.load_extractor(trainer.strategy.root_device, layer_ids, final_hidden=final)
             return

@@ -55,6 +55,13 @@ class FeatureExtractor(nn.Module):
         quantize_model(self.model, "rowwise")
         return self
 
+    @staticmethod
+    def check_compile_device(device: torch.device | str) -> None:
+        """Refuse `target.compile` off CUDA (before the target loads): the CPU runs the target eager."""
+        if torch.device(device).type != "cuda":
+            raise ConfigError(f"target.compile: compiles the target's layers on CUDA GPUs, the target is on {device}; "
+                              "drop target.compile (the CPU runs the target eager)")
+
     def compile_layers(self) -> FeatureExtractor:
         """Compile each decoder layer in place (one graph serves all of them, the row's shape is fixed).
 
