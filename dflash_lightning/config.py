@@ -6,12 +6,14 @@ Every size the drafter shares with the target is read from the target's config u
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import Any, Literal
 
 # Loss decay per block size (DFLASH.md section 4); other block sizes must set gamma explicitly.
 DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 # Attention types of a drafter layer, named as config.json's `layer_types` names them (DFLASH.md section 3b).
 LAYER_TYPES = ("full_attention", "sliding_attention")
+# Drafter variants (DFLASH.md section 10): DFlash, and DFlash2 = DFlash + block convolutions + a candidate selector.
+VARIANTS = ("dflash", "dflash2")
 
 
 class ConfigError(ValueError):
@@ -71,6 +73,22 @@ class DrafterConfig:
     is_causal: bool | None = None
     """Causal attention inside the block; None: sliding layers causal, full layers bidirectional (the reference's
     default); true or false: every layer."""
+
+    variant: Literal["dflash", "dflash2"] = "dflash"
+    """`dflash`, or `dflash2`: the same drafter plus block convolutions and a candidate selector (DFLASH.md 10)."""
+    conv_kernel_size: int = 2
+    """DFlash2: taps k of each block convolution (slot t reads slots t-k+1..t of its own block)."""
+    conv_group_size: int = 16
+    """DFlash2: channels g that share one dynamic tap (hidden_size must be divisible by it)."""
+    selector_rank: int = 256
+    """DFlash2: rank r of the candidate selector's codebooks."""
+    selector_top_k: int = 16
+    """DFlash2: candidates K the selector re-ranks, the unary top K of each slot."""
+
+    @property
+    def is_dflash2(self) -> bool:
+        """Whether the drafter has DFlash2's convolutions and candidate selector."""
+        return self.variant == "dflash2"
 
     def resolved(
         self, target_config: Any, tokenizer_len: int | None = None, reserved_ids: list[int] | tuple = ()
@@ -159,6 +177,7 @@ class DrafterConfig:
                     f"{tokenizer_len} tokens); use a row past them, e.g. {tokenizer_len}"
                 )
         self._check_layer_types()
+        self._check_variant()
         if self.hidden_size is not None and self.num_attention_heads is not None:
             if self.num_attention_heads % (self.num_key_value_heads or self.num_attention_heads):
                 raise ConfigError(
@@ -182,6 +201,24 @@ class DrafterConfig:
             raise ConfigError(
                 f"sliding_window ({self.sliding_window}) is set but no layer is sliding_attention: set layer_types"
             )
+
+    def _check_variant(self) -> None:
+        if self.variant not in VARIANTS:
+            raise ConfigError(f"variant: unknown drafter variant {self.variant!r}; use {' or '.join(VARIANTS)}")
+        if not self.is_dflash2:
+            return
+        if not 1 <= self.conv_kernel_size <= self.block_size:
+            raise ConfigError(
+                f"conv_kernel_size must be in 1..block_size ({self.block_size}), got {self.conv_kernel_size}"
+            )
+        if self.conv_group_size < 1 or (self.hidden_size is not None and self.hidden_size % self.conv_group_size):
+            raise ConfigError(
+                f"conv_group_size ({self.conv_group_size}) must be >= 1 and divide hidden_size ({self.hidden_size})"
+            )
+        if self.selector_rank < 1:
+            raise ConfigError(f"selector_rank must be >= 1, got {self.selector_rank}")
+        if not 2 <= self.selector_top_k <= (self.vocab_size or self.selector_top_k):
+            raise ConfigError(f"selector_top_k must be in 2..vocab_size ({self.vocab_size}), got {self.selector_top_k}")
 
     def attention_rule(self, layer: int) -> tuple[int | None, bool]:
         """(window W or None, causal inside the block) of a drafter layer: the mask it attends under."""
@@ -221,4 +258,4 @@ def _rope_settings(text_config: Any) -> tuple[float, dict[str, Any] | None]:
     return theta, (dict(scaling) if scaling else None)
 
 
-__all__ = ["ConfigError", "DrafterConfig", "default_target_layer_ids"]
+__all__ = ["VARIANTS", "ConfigError", "DrafterConfig", "default_target_layer_ids"]

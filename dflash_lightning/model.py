@@ -7,6 +7,7 @@ non-persistent buffers so that they never enter a checkpoint or an optimizer.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +17,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from dflash_lightning.blocks import block_input_ids, block_labels, build_block_mask, teacher_positions
 from dflash_lightning.config import DrafterConfig
+from dflash_lightning.dflash2 import BlockConv, CandidateSelector
 from dflash_lightning.loss import LossSettings, chunked_head_loss, rank_mean_weight
 
 
@@ -164,7 +166,8 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm Qwen3 layer; the context skips input_layernorm and the MLP."""
+    """Pre-norm Qwen3 layer; the context skips input_layernorm and the MLP. DFlash2 wraps each sublayer of the block
+    tokens in a `BlockConv` (DFLASH.md section 10)."""
 
     def __init__(self, config: DrafterConfig) -> None:
         super().__init__()
@@ -172,10 +175,20 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
+        self.attention_conv = BlockConv(config) if config.is_dflash2 else None
+        self.mlp_conv = BlockConv(config) if config.is_dflash2 else None
+
+    def block_forward(self, x: Tensor, attend: Callable[[Tensor], Tensor]) -> Tensor:
+        """The layer over block tokens `x [A*B, H]`; `attend` maps normed block tokens to the attention's output."""
+        x = x + _sublayer(self.attention_conv, self.input_layernorm(x), attend)
+        return x + _sublayer(self.mlp_conv, self.post_attention_layernorm(x), self.mlp)
 
     def forward(self, x: Tensor, context: Tensor, rope_block, rope_context, block_mask: BlockMask | Tensor) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), context, rope_block, rope_context, block_mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return self.block_forward(x, lambda h: self.self_attn(h, context, rope_block, rope_context, block_mask))
+
+
+def _sublayer(conv: BlockConv | None, x: Tensor, fn: Callable[[Tensor], Tensor]) -> Tensor:
+    return fn(x) if conv is None else conv(x, fn)
 
 
 @dataclass
@@ -194,6 +207,10 @@ class DraftOutput:
     """Target token of every slot.  # [A, B]"""
     topk: Tensor | None
     """Top-k predicted tokens of every slot, best first.  # [A, B, k]"""
+    selector_loss: Tensor | None = None
+    """DFlash2: the selector's weighted K-way CE, sum(w * CE_sel) / sum(w) (no gradient); None for DFlash."""
+    selector_hits: Tensor | None = None
+    """DFlash2: per slot, label in the unary top K and the selector's teacher-forced pick correct.  # [A, B, 2]"""
 
 
 class DFlashDrafter(nn.Module):
@@ -208,6 +225,7 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(h, config.rms_norm_eps)
+        self.candidate_selector = CandidateSelector(config) if config.is_dflash2 else None
         self.rotary = RotaryEmbedding(config)
         # The target's embedding and head rows, frozen and never saved: set by `set_target_io`.
         self.register_buffer("embed_weight", None, persistent=False)
@@ -239,6 +257,9 @@ class DFlashDrafter(nn.Module):
                     nn.init.zeros_(module.bias)
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
+        for module in self.modules():  # DFlash2's modules: identity convolutions, normal codebooks
+            if isinstance(module, (BlockConv, CandidateSelector)):
+                module.reset_parameters()
 
     def set_target_io(self, embed_weight: Tensor, head_weight: Tensor) -> None:
         """Attach the target's frozen input embedding `[V, H]` and output head `[V, H]`."""
@@ -302,16 +323,21 @@ class DFlashDrafter(nn.Module):
         B, settings = self.config.block_size, self.loss_settings
         hidden = self.block_hidden(features, input_ids, position_ids, doc_ids, anchors, anchor_valid)
         labels, weights = block_labels(input_ids, loss_mask, doc_ids, anchors, anchor_valid, slot_weights)
-        teacher_rows = teacher_positions(anchors, B, input_ids.numel()).flatten() if settings.distills else None
+        # The token before each slot (slot 1: the anchor's), where the target's state that predicts it sits.
+        before = teacher_positions(anchors, B, input_ids.numel()).flatten()  # [A*B]
         head, head_t = self.head_fp8 or (self.head_weight, None)
-        total, ce, used, top = self.head_loss(
+        selector = self.candidate_selector
+        total, ce, used, top, sel = self.head_loss(
             hidden.flatten(0, 1), head, labels.flatten(), weights.flatten(), self.head_chunk_size, topk,
-            B, settings, final_hidden, teacher_rows, head_t,
+            B, settings, final_hidden, before if settings.distills else None, head_t,
+            None if selector is None else (selector, input_ids[before]),
         )
         denominator = rank_mean_weight(used).clamp_min(1e-12)
         return DraftOutput(
             loss=total / denominator, ce=ce / denominator, weights=used.view_as(weights), supervised=weights > 0,
             labels=labels, topk=None if top is None else top.unflatten(0, labels.shape),
+            selector_loss=None if sel is None else sel[0] / denominator,
+            selector_hits=None if sel is None else sel[1].unflatten(0, labels.shape),
         )
 
     def logits(self, hidden: Tensor) -> Tensor:

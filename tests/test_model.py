@@ -122,7 +122,7 @@ def test_chunked_loss_and_grad_match_plain_cross_entropy():
     labels = torch.randint(0, 50, (37,))
     weights = torch.rand(37, dtype=torch.float64) * (torch.rand(37) > 0.3)
     decay = LossSettings(loss_weights="decay")  # the weights given are the ones used
-    total, ce, used, top = chunked_head_loss(hidden, head, labels, weights, chunk=8, topk=5, settings=decay)
+    total, ce, used, top, _ = chunked_head_loss(hidden, head, labels, weights, chunk=8, topk=5, settings=decay)
     loss = total / used.sum()
     (g,) = torch.autograd.grad(loss * 3, hidden)
     h2 = hidden.detach().clone().requires_grad_()
@@ -170,7 +170,7 @@ def test_objectives_chunked_match_the_dense_reference(settings, chunk):
     weights.view(-1, block)[:, 0] = 0
     final = torch.randn(40, 16, dtype=torch.float64, generator=g)  # the target's final hidden states
     rows = torch.randint(0, 40, (n,), generator=g)
-    total, ce, used, _ = chunked_head_loss(hidden, head, labels, weights, chunk, 0, block, settings, final, rows)
+    total, ce, used, _, _ = chunked_head_loss(hidden, head, labels, weights, chunk, 0, block, settings, final, rows)
     (grad,) = torch.autograd.grad(total / used.sum() * 3, hidden)
     ref_hidden = hidden.detach().clone().requires_grad_()
     ref, ref_ce, ref_w = dense_objective(ref_hidden, head, labels, weights, final[rows], settings, block)

@@ -1,0 +1,118 @@
+"""DFlash2's two modules (DFLASH.md section 10): block-local convolutions and the candidate selector.
+
+A DFlash2 drafter is the DFlash drafter with a `BlockConv` around each sublayer of every layer and a
+`CandidateSelector` after the final norm; both start as no-ops, so a DFlash checkpoint is a valid warm start.
+The selector's training term lives in loss.py (inside the chunked head loop), its decoding here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dflash_lightning.config import DrafterConfig
+
+
+class BlockConv(nn.Module):
+    """Causal taps over the slots of one block, with per-slot kernels: `conv(x)[t, c] = sum_tau (b[tau, c] +
+    d[t, tau, G(c)]) * x[t - tau, c]` for `t - tau >= 0`; a block never reads another block or the context."""
+
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__()
+        h, self.k, self.g = config.hidden_size, config.conv_kernel_size, config.conv_group_size
+        self.block_size = config.block_size
+        self.base_kernel = nn.Parameter(torch.empty(2, self.k, h))  # [2 (in, out), k, H]
+        self.kernel_projection = nn.Linear(h, 2 * self.k * (h // self.g), bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """The identity: tap 0 of the base kernel 1, every other tap and the projection 0."""
+        with torch.no_grad():
+            self.base_kernel.zero_()
+            self.base_kernel[:, 0] = 1.0
+            self.kernel_projection.weight.zero_()
+
+    def forward(self, x: Tensor, sublayer: Callable[[Tensor], Tensor]) -> Tensor:
+        """`conv_out(sublayer(conv_in(x)))` over block tokens `x [A*B, H]` (after the sublayer's input norm)."""
+        blocks = x.unflatten(0, (-1, self.block_size))  # [A, B, H]
+        d = self.kernel_projection(blocks).unflatten(-1, (2, self.k, -1))  # [A, B, 2, k, H/g]
+        inner = sublayer(self.taps(blocks, d[:, :, 0], self.base_kernel[0]).flatten(0, 1))
+        return self.taps(inner.unflatten(0, blocks.shape[:2]), d[:, :, 1], self.base_kernel[1]).flatten(0, 1)
+
+    def taps(self, x: Tensor, d: Tensor, base: Tensor) -> Tensor:
+        """One convolution of blocks `x [A, B, H]` with dynamic taps `d [A, B, k, H/g]` and base taps `[k, H]`."""
+        a, b, h = x.shape
+        grouped = (h // self.g, self.g)
+        base = base.to(x.dtype).unflatten(-1, grouped)  # [k, H/g, g]
+        d = d.to(x.dtype)
+        out = torch.zeros_like(x).unflatten(-1, grouped)  # [A, B, H/g, g]
+        for tau in range(self.k):
+            shifted = F.pad(x, (0, 0, tau, 0))[:, :b].unflatten(-1, grouped)  # slot t reads slot t - tau, 0 before 0
+            out = out + (base[tau] + d[:, :, tau, :, None]) * shifted
+        return out.flatten(-2)
+
+
+class CandidateSelector(nn.Module):
+    """Re-ranks a slot's unary top K: `score(c) = u[c] + sum_r P[prev, r] * (W h)[r] * S[c, r]`."""
+
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__()
+        v, r = config.vocab_size, config.selector_rank
+        self.top_k = config.selector_top_k
+        self.predecessor_codebook = nn.Parameter(torch.empty(v, r))  # P [V, r]
+        self.successor_codebook = nn.Parameter(torch.empty(v, r))  # S [V, r]
+        self.hidden_projection = nn.Linear(config.hidden_size, r, bias=False)  # W
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        for p in (self.predecessor_codebook, self.successor_codebook, self.hidden_projection.weight):
+            nn.init.normal_(p, std=std)
+
+    def pair_scores(self, hidden: Tensor, prev: Tensor, candidates: Tensor) -> Tensor:
+        """The bilinear term of every candidate of each row: hidden `[N, H]`, prev `[N]`, candidates `[N, K]`.
+
+        # [N, K], in fp32
+        """
+        query = self.predecessor_codebook[prev].float() * self.hidden_projection(hidden.float())  # [N, r]
+        return torch.einsum("nr,nkr->nk", query, self.successor_codebook[candidates].float())
+
+    def candidates(self, logits: Tensor) -> tuple[Tensor, Tensor]:
+        """The unary top K of each row of logits `[N, V]`: ids `[N, K]` and their logits `[N, K]` (fp32)."""
+        values, ids = logits.float().topk(self.top_k, dim=-1)
+        return ids, values
+
+    @torch.no_grad()
+    def greedy(self, hidden: Tensor, logits: Tensor, first_prev: Tensor) -> Tensor:
+        """Greedy drafts of consecutive slots `hidden [n, H]`, `logits [n, V]`: slot by slot, prev is the token
+        before (the block's first token, then each slot's pick).  # [n]"""
+        ids, unary = self.candidates(logits)
+        prev, picks = first_prev.reshape(1), []
+        for i in range(ids.shape[0]):
+            score = unary[i] + self.pair_scores(hidden[i : i + 1], prev, ids[i : i + 1])[0]
+            prev = ids[i, score.argmax()].reshape(1)
+            picks.append(prev)
+        return torch.cat(picks)
+
+    @torch.no_grad()
+    def sample(
+        self, hidden: Tensor, logits: Tensor, first_prev: Tensor, temperature: float,
+        generator: torch.Generator | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """Sampled drafts and their draft distributions q `[n, V]` (softmax(score / T) over each slot's K
+        candidates, 0 elsewhere), slot by slot with prev the token sampled for the slot before.  # [n], [n, V]"""
+        ids, unary = self.candidates(logits)
+        prev, picks = first_prev.reshape(1), []
+        q = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+        for i in range(ids.shape[0]):
+            score = unary[i] + self.pair_scores(hidden[i : i + 1], prev, ids[i : i + 1])[0]
+            probs = torch.softmax(score / temperature, -1)  # [K]
+            q[i, ids[i]] = probs
+            prev = ids[i, torch.multinomial(probs, 1, generator=generator)].reshape(1)
+            picks.append(prev)
+        return torch.cat(picks), q
+
+
+__all__ = ["BlockConv", "CandidateSelector"]

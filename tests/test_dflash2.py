@@ -1,0 +1,127 @@
+"""DFlash2's convolutions and candidate selector against plain references written from DFLASH.md section 10."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dflash_lightning.config import ConfigError, DrafterConfig
+from dflash_lightning.dflash2 import BlockConv, CandidateSelector
+from dflash_lightning.loss import LossSettings, chunked_head_loss
+
+
+def conv_reference(x, d, base, g):
+    """conv(x, d, b)[t, c] = sum_{tau <= t} (b[tau, c] + d[t, tau, c // g]) * x[t - tau, c], one block `x [B, H]`."""
+    B, H = x.shape
+    out = torch.zeros_like(x)
+    for t in range(B):
+        for c in range(H):
+            for tau in range(base.shape[0]):
+                if t - tau >= 0:
+                    out[t, c] += (base[tau, c] + d[t, tau, c // g]) * x[t - tau, c]
+    return out
+
+
+def dflash2_config(**kw) -> DrafterConfig:
+    base = dict(
+        num_layers=2, block_size=4, mask_token_id=3, target_layer_ids=[0, 2, 3], hidden_size=32,
+        intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6,
+        rope_theta=10000.0, max_position_embeddings=256, vocab_size=40, num_target_layers=5, variant="dflash2",
+        gamma=4.0, conv_kernel_size=2, conv_group_size=8, selector_rank=6, selector_top_k=5,
+    )
+    return DrafterConfig(**{**base, **kw})
+
+
+def random_conv(cfg: DrafterConfig, seed: int = 0) -> BlockConv:
+    torch.manual_seed(seed)
+    conv = BlockConv(cfg).double()
+    for p in conv.parameters():
+        p.data = torch.randn_like(p) * 0.3
+    return conv
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_block_conv_matches_the_formula_per_block(k):
+    cfg = dflash2_config(conv_kernel_size=k)
+    conv = random_conv(cfg)
+    x = torch.randn(3 * cfg.block_size, cfg.hidden_size, dtype=torch.float64)  # 3 blocks
+    inner = torch.nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False).double()
+    out = conv(x, inner)
+    d = conv.kernel_projection(x).view(3, cfg.block_size, 2, k, -1)
+    for a in range(3):
+        rows = slice(a * cfg.block_size, (a + 1) * cfg.block_size)
+        mid = conv_reference(x[rows], d[a, :, 0], conv.base_kernel[0], cfg.conv_group_size)
+        ref = conv_reference(inner(mid), d[a, :, 1], conv.base_kernel[1], cfg.conv_group_size)
+        torch.testing.assert_close(out[rows], ref)
+
+
+def test_block_conv_never_reads_another_block_and_is_causal():
+    cfg = dflash2_config(conv_kernel_size=3)
+    conv = random_conv(cfg)
+    x = torch.randn(2 * cfg.block_size, cfg.hidden_size, dtype=torch.float64)
+    out = conv(x, torch.tanh)
+    y = x.clone()
+    y[: cfg.block_size] += 1.0  # the first block changes: the second must not
+    y[cfg.block_size + 2:] += 1.0  # slots 2.. of the second block change: its slots 0, 1 must not
+    out2 = conv(y, torch.tanh)
+    torch.testing.assert_close(out2[cfg.block_size: cfg.block_size + 2], out[cfg.block_size: cfg.block_size + 2])
+    assert not torch.allclose(out2[cfg.block_size + 2:], out[cfg.block_size + 2:])
+
+
+def test_block_conv_is_the_identity_at_initialisation():
+    cfg = dflash2_config(conv_kernel_size=2)
+    conv = BlockConv(cfg).double()
+    x = torch.randn(2 * cfg.block_size, cfg.hidden_size, dtype=torch.float64)
+    torch.testing.assert_close(conv(x, torch.tanh), torch.tanh(x))
+
+
+def test_variant_settings_are_checked():
+    with pytest.raises(ConfigError, match="conv_group_size"):
+        dflash2_config(conv_group_size=5).check()
+    with pytest.raises(ConfigError, match="selector_top_k"):
+        dflash2_config(selector_top_k=41).check()
+    with pytest.raises(ConfigError, match="conv_kernel_size"):
+        dflash2_config(conv_kernel_size=5).check()
+
+
+def dense_selector_loss(hidden, head, labels, weights, prev, selector: CandidateSelector, alpha: float):
+    """CE + alpha * selector CE on whole `[N, V]` logits with autograd, written from DFLASH.md section 10."""
+    logits = hidden @ head.T  # [N, V]
+    ce = F.cross_entropy(logits, labels, reduction="none")
+    cand = logits.detach().topk(selector.top_k, -1).indices
+    absent = ~(cand == labels[:, None]).any(-1)
+    cand[absent, -1] = labels[absent]
+    target = (cand == labels[:, None]).int().argmax(-1)
+    P, S, W = selector.predecessor_codebook, selector.successor_codebook, selector.hidden_projection.weight
+    score = logits.gather(1, cand) + ((P[prev] * (hidden @ W.T))[:, None, :] * S[cand]).sum(-1)
+    sel = F.cross_entropy(score, target, reduction="none")
+    return ((ce + alpha * sel) * weights).sum() / weights.sum(), (sel * weights).sum() / weights.sum(), ~absent
+
+
+@pytest.mark.parametrize("alpha", [1.0, 0.3])
+def test_selector_loss_and_gradients_match_a_dense_reference(alpha):
+    torch.manual_seed(0)
+    cfg = dflash2_config(hidden_size=16, vocab_size=50, selector_top_k=6, selector_rank=5)
+    selector = CandidateSelector(cfg).double()
+    for p in selector.parameters():
+        p.data = torch.randn_like(p) * 0.5
+    n = 8 * cfg.block_size
+    hidden = torch.randn(n, 16, dtype=torch.float64, requires_grad=True)
+    head = torch.randn(50, 16, dtype=torch.float64)
+    labels, prev = torch.randint(0, 50, (n,)), torch.randint(0, 50, (n,))
+    weights = torch.rand(n, dtype=torch.float64) * (torch.rand(n) > 0.3)
+    settings = LossSettings(loss_weights="decay", selector_alpha=alpha)
+    total, _, used, _, (sel, hits) = chunked_head_loss(
+        hidden, head, labels, weights, chunk=3 * cfg.block_size, block_size=cfg.block_size, settings=settings,
+        selector=(selector, prev),
+    )
+    params = [hidden, *selector.parameters()]
+    grads = torch.autograd.grad(total / used.sum() * 2, params)
+    ref, ref_sel, in_top = dense_selector_loss(hidden, head, labels, weights, prev, selector, alpha)
+    ref_grads = torch.autograd.grad(ref * 2, params)
+    torch.testing.assert_close(total / used.sum(), ref)
+    torch.testing.assert_close(sel / used.sum(), ref_sel)
+    assert torch.equal(hits[:, 0], in_top) and 0 < in_top.sum() < n  # both cases occur
+    for g, r in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, r)
