@@ -11,6 +11,7 @@ import inspect
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -99,20 +100,22 @@ class DraftContext:
         block_pos = torch.arange(start, start + block_ids.numel(), device=block_ids.device)
         rope = d.rotary(block_pos, x.dtype)
         for i, layer in enumerate(d.layers):
-            attn, h = layer.self_attn, layer.input_layernorm(x)
-            k, v = attn.key_value(h, *rope)
-            if self.keys[i] is not None:
-                k, v = torch.cat([self.keys[i], k]), torch.cat([self.values[i], v])
-            # Full layers: no mask, the block sees all of the context (all before `start`) and itself both ways.
-            window, causal = self.rules[i]
-            mask = None
-            if window is not None or causal:
-                kept = k.shape[0] - block_ids.numel()  # this layer's context K/V: the positions just before `start`
-                key_pos = torch.arange(start - kept, start + block_ids.numel(), device=block_pos.device)  # [kept + B]
-                mask = window_rule(block_pos[:, None], key_pos[None, :], (key_pos >= start)[None, :], window, causal)
-            x = x + attn.attend(attn.query(h, *rope), k, v, mask)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = layer.block_forward(x, partial(self._attend, i, layer.self_attn, rope, block_pos, start))
         return d.norm(x)
+
+    def _attend(self, i: int, attn: nn.Module, rope, block_pos: Tensor, start: int, h: Tensor) -> Tensor:
+        """Layer i's attention of the normed block tokens `h [B, H]` over its cached context K/V and the block."""
+        k, v = attn.key_value(h, *rope)
+        if self.keys[i] is not None:
+            k, v = torch.cat([self.keys[i], k]), torch.cat([self.values[i], v])
+        # Full layers: no mask, the block sees all of the context (all before `start`) and itself both ways.
+        window, causal = self.rules[i]
+        mask = None
+        if window is not None or causal:
+            kept = k.shape[0] - h.shape[0]  # this layer's context K/V: the positions just before `start`
+            key_pos = torch.arange(start - kept, start + h.shape[0], device=block_pos.device)  # [kept + B]
+            mask = window_rule(block_pos[:, None], key_pos[None, :], (key_pos >= start)[None, :], window, causal)
+        return attn.attend(attn.query(h, *rope), k, v, mask)
 
 
 class SpeculativeDecoder:
@@ -140,12 +143,26 @@ class SpeculativeDecoder:
                           output_hidden_states=True, logits_to_keep=logits_to_keep)
         return out.logits[0], torch.cat([out.hidden_states[j + 1][0] for j in self.layer_ids], -1)
 
-    def draft(self, context: DraftContext, x: Tensor, start: int) -> Tensor:
-        """Draft tokens of slots 1..B-1 for the block `[x, MASK * (B-1)]` at `start`.  # [B-1]"""
+    def draft(
+        self, context: DraftContext, x: Tensor, start: int, temperature: float = 0.0,
+        generator: torch.Generator | None = None,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Draft tokens of slots 1..B-1 for the block `[x, MASK * (B-1)]` at `start`, and their draft distributions
+        `[B-1, V]` where they are sampled (None: point masses).  # [B-1]
+
+        DFlash proposes each slot's argmax (DFLASH.md 6b); DFlash2's selector re-ranks each slot's top K slot by slot,
+        greedy or sampled from softmax(score / T) (section 10).
+        """
         block = torch.full((self.block_size,), self.mask_token_id, dtype=torch.long, device=x.device)
         block[0] = x
-        hidden = context.block_hidden(block, start)
-        return self.drafter.logits(hidden[1:]).argmax(-1)
+        hidden = context.block_hidden(block, start)[1:]  # [B-1, H]
+        logits = self.drafter.logits(hidden)
+        selector = self.drafter.candidate_selector
+        if selector is None:
+            return logits.argmax(-1), None
+        if temperature == 0:
+            return selector.greedy(hidden, logits, x), None
+        return selector.sample(hidden, logits, x, temperature, generator)
 
     @torch.no_grad()
     def generate(
@@ -170,13 +187,14 @@ class SpeculativeDecoder:
         start = input_ids.numel()  # position of x, whose features the target has not made yet
         done = len(tokens) >= max_new_tokens or tokens[0] in stop
         while not done:
-            draft = self.draft(context, x, start)  # [B-1]
+            draft, draft_probs = self.draft(context, x, start, temperature, generator)  # [B-1], [B-1, V] or None
             # A step emits at most as many tokens as it verifies, so only the tokens still wanted are
             # verified; the block itself is always drafted whole, as in training.
             n = min(self.block_size, max_new_tokens - len(tokens))
             block = torch.cat([x[None], draft[: n - 1]])  # [n]
             logits, features = self._target(block, cache)
-            a, bonus, expected_a = verify_drafts(block[1:], logits, **sampling)  # bonus: the token after a drafts
+            q = None if draft_probs is None else draft_probs[: n - 1]
+            a, bonus, expected_a = verify_drafts(block[1:], logits, **sampling, draft_probs=q)  # bonus: after a drafts
             _crop(cache, start + a + 1)  # drop the K/V of rejected drafts
             context.extend(features[: a + 1], torch.arange(start, start + a + 1, device=device))
             new = block[1: a + 1].tolist() + [int(bonus)]

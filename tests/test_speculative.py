@@ -49,9 +49,11 @@ def test_accept_rule_on_hand_made_blocks():
     assert accepted_length(torch.tensor([], dtype=torch.long), post[:1]) == 0  # a block of one token
 
 
+@pytest.mark.parametrize("variant", [{}, {"variant": "dflash2", "conv_group_size": 8, "selector_rank": 4}],
+                         ids=["dflash", "dflash2"])  # DFLASH2, defined below
 @pytest.mark.parametrize("block_size", [2, 4, 8, 16])
-def test_random_drafter_is_lossless(target, block_size):
-    decoder = SpeculativeDecoder(target, random_drafter(target, block_size, seed=block_size))
+def test_random_drafter_is_lossless(target, block_size, variant):
+    decoder = SpeculativeDecoder(target, random_drafter(target, block_size, seed=block_size, **variant))
     for i, ids in enumerate(random_prompts(10, seed=block_size)):
         eos = EOS if i % 2 else None
         spec, base = decoder.generate(ids, 16, eos), target_generate(target, ids, 16, eos)
@@ -71,14 +73,14 @@ class OracleDecoder(SpeculativeDecoder):
         self.truth, self.prompt_len, self.expected = truth, prompt_len, []
         self.first_wrong_slot = first_wrong_slot or (lambda: self.block_size)  # default: every draft right
 
-    def draft(self, context, x, start):
-        super().draft(context, x, start)  # run the real drafting path too
+    def draft(self, context, x, start, *sampling):
+        super().draft(context, x, start, *sampling)  # run the real drafting path too
         k = start - self.prompt_len  # x is truth[k]
         right = torch.tensor((self.truth + [0] * 64)[k + 1: k + self.block_size], device=x.device)
         wrong = self.first_wrong_slot()
         # the decoder verifies only the drafts still wanted: len(truth) - (k + 1) tokens are left
         self.expected.append(min(wrong - 1, min(self.block_size, len(self.truth) - k - 1) - 1))
-        return torch.where(torch.arange(1, self.block_size, device=x.device) < wrong, right, (right + 1) % 50)
+        return torch.where(torch.arange(1, self.block_size, device=x.device) < wrong, right, (right + 1) % 50), None
 
 
 @pytest.mark.parametrize("block_size", [4, 16])
@@ -120,6 +122,7 @@ def test_max_new_tokens_is_exact(target):
 
 
 SLIDING = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 5}
+DFLASH2 = {"variant": "dflash2", "conv_group_size": 8, "selector_rank": 4}  # the tiny target: H 64, V 64
 
 
 @pytest.mark.parametrize("attention", [{}, SLIDING, {**SLIDING, "is_causal": False}], ids=["full", "sliding",
@@ -159,11 +162,13 @@ class RecordingDecoder(OracleDecoder):
         super().__init__(target_model, drafter, truth or [], prompt_len, first_wrong_slot)
         self.own, self.steps = truth is None, []
 
-    def draft(self, context, x, start):
+    def draft(self, context, x, start, *sampling):
         block = torch.full((self.block_size,), self.mask_token_id, dtype=torch.long)
         block[0] = x
         self.steps.append((start, int(x), self.drafter.logits(context.block_hidden(block, start)[1:])))
-        return SpeculativeDecoder.draft(self, context, x, start) if self.own else super().draft(context, x, start)
+        if self.own:
+            return SpeculativeDecoder.draft(self, context, x, start, *sampling)
+        return super().draft(context, x, start, *sampling)
 
 
 def assert_drafts_are_the_training_forwards(decoder: RecordingDecoder, prompt: torch.Tensor, tokens: list[int]):
@@ -181,8 +186,8 @@ def assert_drafts_are_the_training_forwards(decoder: RecordingDecoder, prompt: t
                                decoder.drafter.logits(hidden[:, 1:]), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("attention", [{}, SLIDING, {**SLIDING, "is_causal": False}], ids=["full", "sliding",
-                                                                                         "sliding-bidir"])
+@pytest.mark.parametrize("attention", [{}, SLIDING, {**SLIDING, "is_causal": False}, {**SLIDING, **DFLASH2}],
+                         ids=["full", "sliding", "sliding-bidir", "dflash2"])
 def test_decoder_drafts_are_the_training_forwards_step_by_step(target, attention):
     """Over whole generations (greedy with the oracle's drafts, so that steps accept 0..B-1 and the context grows by
     a + 1; sampled with the drafter's own), each step's drafter logits are the training forward's from the same
@@ -280,18 +285,21 @@ class TableDecoder(SpeculativeDecoder):
         super().__init__(target_model, drafter)
         self.table = table
 
-    def draft(self, context, x, start):
-        super().draft(context, x, start)
-        return torch.tensor(self.table[int(x)], device=x.device)
+    def draft(self, context, x, start, *sampling):
+        super().draft(context, x, start, *sampling)
+        return torch.tensor(self.table[int(x)], device=x.device), None
 
 
-@pytest.mark.parametrize("drafting", ["table", "sliding"])
+@pytest.mark.parametrize("drafting", ["table", "sliding", "dflash2"])
 def test_speculative_sampling_is_lossless(drafting):
     """The decoder's sequences at temperature 1 follow the target's exact sequence distribution (chi-square over
     all V^L sequences, rare ones pooled); sampling the residual from P instead of P without d_k fails it
     (p < 1e-40 at these sizes, checked once by breaking the rule). `table`: drafts from a fixed table, likely and
-    unlikely ones; `sliding`: a sliding-window drafter's own drafts (DFLASH.md 3b), through the whole real path.
-    Sampling is lossless whatever the drafts, so `sliding` also holds its drafts to the training forward's."""
+    unlikely ones; `sliding`: a sliding-window drafter's own drafts (DFLASH.md 3b), through the whole real path;
+    `dflash2`: a DFlash2 drafter's selector samples its drafts from q = softmax(score / T) over K candidates and
+    verification accepts with min(1, P/q) (section 10; a residual of P without d_k instead of max(0, P - q) fails it,
+    checked once). Sampling is lossless whatever the drafts, so the drafters' own drafts are also held to the
+    training forward's."""
     V, L, B, samples = 5, 5, 4, 400
     config = Qwen3Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                          num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=64,
@@ -312,8 +320,13 @@ def test_speculative_sampling_is_lossless(drafting):
     table = {x: target_generate(target, torch.cat([prompt, torch.tensor([x])]), B - 1).tokens for x in range(V)}
     # two layers: with one, slots 1..B-1 never see the context that only slot 0's window reaches
     window = {"layer_types": ["sliding_attention"] * 2, "sliding_window": 3} if drafting == "sliding" else {}
+    variant = {**DFLASH2, "selector_top_k": 3} if drafting == "dflash2" else {}
     drafter = DFlashDrafter(DrafterConfig(num_layers=2 if window else 1, block_size=B, mask_token_id=V - 1,
-                                          gamma=4.0, **window).resolved(config))
+                                          gamma=4.0, **window, **variant).resolved(config))
+    if variant:  # a selector and convolutions away from their initialisation, and q spread over the candidates
+        for p in drafter.parameters():
+            p.data += 0.3 * torch.randn_like(p)
+        drafter.norm.weight.data *= 0.05  # the head is the target's, sharpened 20x above
     drafter.set_target_io(target.model.embed_tokens.weight.detach(), target.lm_head.weight.detach())
     decoder = TableDecoder(target, drafter.eval(), table) if drafting == "table" else RecordingDecoder(
         target, drafter.eval())
@@ -322,7 +335,7 @@ def test_speculative_sampling_is_lossless(drafting):
     for n in range(samples):
         out = decoder.generate(prompt, L, temperature=1.0, generator=g)
         assert len(out.tokens) == L
-        if drafting == "sliding":
+        if drafting != "table":
             if n < 40:  # the window (3) drops K/V: the sequence is 8 long
                 assert_drafts_are_the_training_forwards(decoder, prompt, out.tokens)
             decoder.steps.clear()

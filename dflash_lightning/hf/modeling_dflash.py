@@ -61,29 +61,37 @@ def accepted_length(draft: torch.Tensor, posterior: torch.Tensor) -> int:
 
 def verify_drafts(
     draft: torch.Tensor, logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | None = None, draft_probs: torch.Tensor | None = None,
 ) -> tuple[int, torch.Tensor, float]:
-    """One verification (DFLASH.md sections 6 and 6b): accepted drafts a, the token emitted after them, and the
-    expected accepted count `sum_k prod_{i<=k} P_i(d_i)`.
+    """One verification (DFLASH.md sections 6, 6b and 10): accepted drafts a, the token emitted after them, and the
+    expected accepted count `sum_k prod_{i<=k} r_i` given the drafts.
 
-    `draft` `[n-1]` are the argmax proposals of slots 1..n-1, `logits` `[n, V]` the target's after each of the n
-    verified block tokens. Greedy (temperature 0) accepts while the draft is the target's argmax, and the expected
-    count is a itself. Sampling accepts `d_k` with probability `P_k(d_k)`; the first rejected slot emits a sample of
-    `P_k` without `d_k`, and after all n-1 accepted the bonus token is a sample of the next `P`.
+    `draft` `[n-1]` are the proposals of slots 1..n-1, `logits` `[n, V]` the target's after each of the n verified
+    block tokens. Greedy (temperature 0) accepts while the draft is the target's argmax, and the expected count is a
+    itself. Sampling accepts `d_k` with probability `r_k = min(1, P_k(d_k) / q_k(d_k))`; the first rejected slot emits
+    a sample of the residual `max(0, P_k - q_k)` renormalised, and after all n-1 accepted the bonus token is a sample
+    of the next `P`. `draft_probs` `[n-1, V]` is q (sampled drafts); None: point masses on the drafts (argmax
+    proposals), where `r_k = P_k(d_k)` and the residual is `P_k` without `d_k`.
     """
     if temperature == 0:
         posterior = logits.argmax(-1)  # [n]
         a = accepted_length(draft, posterior)
         return a, posterior[a], float(a)
     probs = sampling_probs(logits, temperature, top_p, top_k)  # [n, V]
-    p_draft = probs[:-1].gather(-1, draft[:, None])[:, 0]  # [n-1]: P_k(d_k)
-    # u < p holds with probability p for u uniform in [0, 1); all n-1 coins are drawn so the stream per step is fixed.
-    coins = torch.rand(p_draft.shape, generator=generator, device=p_draft.device) < p_draft
-    a, expected = torch.stack([coins.float().cumprod(0).sum(), p_draft.cumprod(0).sum()]).tolist()  # one host sync
+    ratio = probs[:-1].gather(-1, draft[:, None])[:, 0]  # [n-1]: P_k(d_k)
+    if draft_probs is not None:
+        ratio = (ratio / draft_probs.float().gather(-1, draft[:, None])[:, 0]).clamp(max=1.0)
+    # u < r holds with probability r for u uniform in [0, 1); all n-1 coins are drawn so the stream per step is fixed.
+    coins = torch.rand(ratio.shape, generator=generator, device=ratio.device) < ratio
+    a, expected = torch.stack([coins.float().cumprod(0).sum(), ratio.cumprod(0).sum()]).tolist()  # one host sync
     a = int(a)
     p = probs[a]
-    if a < draft.numel():  # d_{a+1} rejected: the residual, P without it (multinomial renormalises)
-        p = p.index_fill(0, draft[a: a + 1], 0.0)
+    if a < draft.numel():  # d_{a+1} rejected: sample the residual (multinomial renormalises)
+        if draft_probs is None:
+            p = p.index_fill(0, draft[a: a + 1], 0.0)  # max(0, P - point mass): P without d
+        else:
+            residual = (p - draft_probs[a].float()).clamp(min=0.0)
+            p = residual if bool(residual.sum() > 0) else p  # P == q: a rejection has probability 0
     return a, torch.multinomial(p, 1, generator=generator)[0], expected
 
 
