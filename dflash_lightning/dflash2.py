@@ -74,14 +74,15 @@ class CandidateSelector(nn.Module):
     def pair_scores(self, hidden: Tensor, prev: Tensor, candidates: Tensor) -> Tensor:
         """The bilinear term of every candidate of each row: hidden `[N, H]`, prev `[N]`, candidates `[N, K]`.
 
-        # [N, K], in fp32
+        # [N, K], in fp32 (or the weights' wider dtype)
         """
-        query = self.predecessor_codebook[prev].float() * self.hidden_projection(hidden.float())  # [N, r]
-        return torch.einsum("nr,nkr->nk", query, self.successor_codebook[candidates].float())
+        dt = torch.promote_types(self.successor_codebook.dtype, torch.float32)
+        query = self.predecessor_codebook[prev].to(dt) * F.linear(hidden.to(dt), self.hidden_projection.weight.to(dt))
+        return torch.einsum("nr,nkr->nk", query, self.successor_codebook[candidates].to(dt))  # [N, r] . [N, K, r]
 
     def candidates(self, logits: Tensor) -> tuple[Tensor, Tensor]:
         """The unary top K of each row of logits `[N, V]`: ids `[N, K]` and their logits `[N, K]` (fp32)."""
-        values, ids = logits.float().topk(self.top_k, dim=-1)
+        values, ids = logits.to(torch.promote_types(logits.dtype, torch.float32)).topk(self.top_k, dim=-1)
         return ids, values
 
     @torch.no_grad()

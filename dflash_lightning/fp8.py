@@ -34,9 +34,10 @@ def require_fp8(device: torch.device | str, option: str) -> None:
         raise ConfigError(f"{option}: FP8 goes through torchao: pip install 'torchao>=0.17'") from err
 
 
-def _fp8_shaped(module: nn.Module, _name: str = "") -> bool:
-    """FP8 matmuls need both dims divisible by 16."""
-    return isinstance(module, nn.Linear) and module.in_features % 16 == 0 and module.out_features % 16 == 0
+def _fp8_shaped(module: nn.Module, name: str = "") -> bool:
+    """FP8 matmuls need both dims divisible by 16; DFlash2's selector projection is read by the loss as a weight."""
+    shaped = isinstance(module, nn.Linear) and module.in_features % 16 == 0 and module.out_features % 16 == 0
+    return shaped and "candidate_selector" not in name
 
 
 def convert_linears(module: nn.Module, recipe: Recipe) -> nn.Module:

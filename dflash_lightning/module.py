@@ -89,6 +89,8 @@ class DFlashModule(LightningModule):
         loss_weights: Literal["decay", "dpace"] = LossSettings.loss_weights,
         dpace_alpha: float = LossSettings.alpha,
         temperature: float = LossSettings.temperature,
+        selector_alpha: float = LossSettings.selector_alpha,
+        init_from: str | None = None,
         nonfinite: Literal["skip", "stop"] = "skip",
         max_nonfinite_in_a_row: int = 16,
         fp8: Literal["none", "head", "all"] = "none",
@@ -121,6 +123,10 @@ class DFlashModule(LightningModule):
             dpace_alpha: D-PACE smoothing alpha in [0, 1]: s_k = (1 - alpha) * q_k + alpha.
             temperature: Distillation temperature: KL of the softmaxes of logits / temperature, times
                 temperature**2.
+            selector_alpha: DFlash2: weight of the candidate selector's K-way CE beside the unary loss (section 10).
+            init_from: Warm start: a drafter `.ckpt` or exported folder (ours or published) whose weights start this
+                run. A DFlash drafter may start a DFlash2 run: its convolutions start as the identity and its selector
+                fresh, so at step 0 both draft the same unary logits. Ignored when a checkpoint is resumed.
             nonfinite: A step whose loss or gradient norm is NaN/Inf never updates the weights or the optimizer
                 state (decided on the device). skip: count it (`train/skipped_steps`, read every `metrics_every`
                 steps) and go on; stop: skip every update from then on and raise, naming the step and the batch's
@@ -143,7 +149,7 @@ class DFlashModule(LightningModule):
             raise ConfigError(f"num_anchors must be in 1..token_budget ({token_budget}), got {num_anchors}")
         if metrics_every < 1:
             raise ConfigError(f"metrics_every must be >= 1, got {metrics_every}")
-        self.loss_settings = LossSettings(objective, loss_weights, dpace_alpha, temperature)
+        self.loss_settings = LossSettings(objective, loss_weights, dpace_alpha, temperature, selector_alpha)
         if head_chunk_size < 1:
             raise ConfigError(f"head_chunk_size must be >= 1, got {head_chunk_size}")
         if not 0 <= warmup_ratio < 1:
@@ -154,8 +160,8 @@ class DFlashModule(LightningModule):
             raise ConfigError(f"nonfinite must be skip or stop, got {nonfinite!r}")
         if max_nonfinite_in_a_row < 1:
             raise ConfigError(f"max_nonfinite_in_a_row must be >= 1, got {max_nonfinite_in_a_row}")
-        self.train_metrics = DraftMetrics(cfg.block_size, topk)
-        self.val_metrics = DraftMetrics(cfg.block_size, topk)
+        self.train_metrics = DraftMetrics(cfg.block_size, topk, selector=cfg.is_dflash2)
+        self.val_metrics = DraftMetrics(cfg.block_size, topk, selector=cfg.is_dflash2)
         self.drafter: DFlashDrafter | None = None
         self.buffers_: StepBuffers | None = None
         self._anchor_generator: torch.Generator | None = None
@@ -178,6 +184,8 @@ class DFlashModule(LightningModule):
         self.drafter = DFlashDrafter(cfg)
         self.drafter.head_chunk_size = hp.head_chunk_size
         self.drafter.loss_settings = self.loss_settings
+        if hp.init_from:  # before FP8 conversion and compile; a resumed checkpoint's weights replace these
+            warm_start(self.drafter, hp.init_from)
         if hp.fp8 == "all":
             convert_linears(self.drafter, hp.fp8_recipe)
         # Under bf16-mixed the weights stay fp32 (the masters); frozen tensors and inputs take the compute dtype.
@@ -253,9 +261,11 @@ class DFlashModule(LightningModule):
         out = self.step(batch, max(self.hparams.topk) if measure else 0, self.anchor_generator(batch, batch_idx))
         self._last_loss = out.loss.detach()
         if measure:  # logging only here keeps host syncs off the other steps
-            self.train_metrics.update(out.topk, out.labels, out.supervised)
+            self.train_metrics.update(out.topk, out.labels, out.supervised, out.selector_hits)
             counts = self.nonfinite_counts
             extra = {"ce": out.ce} if self.loss_settings.distills else {}
+            if out.selector_loss is not None:
+                extra["selector/loss"] = out.selector_loss
             values = {**extra, **self.train_metrics.compute(), "skipped_steps": counts[0],
                       "skipped_in_a_row": counts[1]}
             host = self._log_metrics("train", values, out.loss)
@@ -297,7 +307,7 @@ class DFlashModule(LightningModule):
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         out = self.step(batch, max(self.hparams.topk), self.anchor_generator(batch, batch_idx))
-        self.val_metrics.update(out.topk, out.labels, out.supervised)
+        self.val_metrics.update(out.topk, out.labels, out.supervised, out.selector_hits)
         self.log("val/loss", out.loss, prog_bar=True, batch_size=1, sync_dist=True)  # epoch mean over ranks
         if self.loss_settings.distills:  # comparable across objectives
             self.log("val/ce", out.ce, batch_size=1, sync_dist=True)
@@ -427,3 +437,36 @@ class DFlashModule(LightningModule):
         for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas, strict=True):
             group["lr"] = hp.lr * factor(scheduler.last_epoch)  # what LambdaLR computes, with this run's lr
         scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+
+
+def warm_start(drafter: DFlashDrafter, path: str) -> None:
+    """Load a drafter `.ckpt` or folder's weights into `drafter`; a DFlash source may start a DFlash2 drafter.
+
+    The source's config must be the drafter's in every shape field; where the variants differ, only the DFlash2
+    modules (convolutions, selector) may be missing, and they keep their initialisation (identity, fresh).
+    """
+    from dataclasses import replace
+
+    from dflash_lightning.export import read_drafter
+
+    cfg, state, _ = read_drafter(path)
+    mine = drafter.config
+    if replace(cfg, variant=mine.variant, **_variant_fields(mine), gamma=mine.gamma) != mine:
+        diff = [k for k, v in cfg.to_dict().items() if k not in ("variant", "gamma", *_variant_fields(mine))
+                and v != getattr(mine, k)]
+        raise ConfigError(f"model.init_from '{path}': its drafter differs from this run's in {', '.join(diff)}")
+    if cfg.variant == mine.variant:
+        drafter.load_state_dict(state)
+        return
+    if cfg.variant != "dflash" or mine.variant != "dflash2":
+        raise ConfigError(f"model.init_from '{path}': a {cfg.variant} drafter cannot start a {mine.variant} run")
+    missing, unexpected = drafter.load_state_dict(state, strict=False)
+    extra = [k for k in missing if not (k.startswith("candidate_selector.") or "_conv." in k)]
+    if unexpected or extra:
+        raise ConfigError(f"model.init_from '{path}': unexpected keys {unexpected}, missing {extra}")
+
+
+def _variant_fields(cfg: DrafterConfig) -> dict[str, Any]:
+    """The fields only DFlash2 reads."""
+    return {k: getattr(cfg, k) for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")}
+

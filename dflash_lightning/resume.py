@@ -23,6 +23,7 @@ FREE = (
     "model.compile_mode", "model.compile_cache_dir", "model.metrics_every", "model.topk", "model.head_chunk_size",
     "model.fp8", "model.fp8_recipe",  # precision, like trainer.precision: the same weights, other matmuls
     "model.nonfinite", "model.max_nonfinite_in_a_row",  # policies of a bad step, not what is trained
+    "model.init_from",  # a warm start's source: a resumed run's weights are the checkpoint's
     "model.target", "target.path", "tokenizer.path", "data.tokenizer",  # paths: the fingerprints are compared
     "data.train_files", "data.val_files", "data.val_batches", "data.num_workers", "data.cache_dir",
     "data.feature_cache", "data.on_bad_record", "trainer.",

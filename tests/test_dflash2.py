@@ -5,10 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import packed_batch
+from test_model import tiny_drafter
 
+from dflash_lightning.blocks import select_anchors, slot_weights
 from dflash_lightning.config import ConfigError, DrafterConfig
 from dflash_lightning.dflash2 import BlockConv, CandidateSelector
 from dflash_lightning.loss import LossSettings, chunked_head_loss
+from dflash_lightning.model import DFlashDrafter
 
 
 def conv_reference(x, d, base, g):
@@ -125,3 +129,65 @@ def test_selector_loss_and_gradients_match_a_dense_reference(alpha):
     assert torch.equal(hits[:, 0], in_top) and 0 < in_top.sum() < n  # both cases occur
     for g, r in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(g, r)
+
+
+def test_a_dflash_folder_warm_starts_dflash2_with_the_same_forward(tmp_path):
+    """The identity convolutions make a DFlash2 drafter started from DFlash weights compute the same block states."""
+    from dataclasses import replace
+
+    from dflash_lightning.export import write_folder
+    from dflash_lightning.module import warm_start
+
+    dflash = tiny_drafter(block=4, gamma=4.0)  # random weights, norms off 1
+    write_folder(dflash.config, {k: v.float() for k, v in dflash.state_dict().items()}, tmp_path / "hf")
+    cfg2 = replace(dflash.config, variant="dflash2", conv_group_size=8, selector_rank=6, selector_top_k=5)
+    dflash2 = DFlashDrafter(cfg2).double()
+    dflash2.set_target_io(dflash.embed_weight, dflash.head_weight)
+    warm_start(dflash2, str(tmp_path / "hf"))
+    batch = packed_batch([13, 9], 24, vocab=40, seed=1)
+    features = torch.randn(24, 96, dtype=torch.float64)
+    anchors, valid = select_anchors(batch["loss_mask"], batch["doc_ids"], 6, torch.Generator().manual_seed(0))
+    args = (features, batch["input_ids"], batch["position_ids"], batch["doc_ids"], anchors, valid)
+    # the folder holds fp32 weights of the fp64 drafter: equal to fp32 rounding, where any tap off identity is O(1)
+    torch.testing.assert_close(dflash2.block_hidden(*args), dflash.block_hidden(*args), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ConfigError, match="num_layers"):
+        warm_start(DFlashDrafter(replace(cfg2, num_layers=1)), str(tmp_path / "hf"))
+
+
+def test_selector_greedy_path_matches_a_plain_reference():
+    torch.manual_seed(1)
+    cfg = dflash2_config(selector_top_k=4)
+    selector = CandidateSelector(cfg).double()
+    for p in selector.parameters():
+        p.data = torch.randn_like(p)
+    hidden, logits = torch.randn(5, 32, dtype=torch.float64), torch.randn(5, 40, dtype=torch.float64)
+    picks = selector.greedy(hidden, logits, torch.tensor(7))
+    P, S, W = selector.predecessor_codebook, selector.successor_codebook, selector.hidden_projection.weight
+    prev = 7
+    for i in range(5):
+        cand = sorted(range(40), key=lambda c: -float(logits[i, c]))[:4]
+        scores = [float(logits[i, c] + sum(P[prev, r] * (W[r] @ hidden[i]) * S[c, r] for r in range(6)))
+                  for c in cand]
+        prev = cand[max(range(4), key=lambda j: scores[j])]
+        assert int(picks[i]) == prev, f"slot {i + 1}"
+
+
+def test_dflash2_training_step_through_the_module_logs_selector_metrics():
+    """The module's step trains the selector: its loss, recall and teacher-forced accuracy come out of one forward."""
+    from dflash_lightning.metrics import DraftMetrics
+
+    drafter = DFlashDrafter(dflash2_config()).double()
+    drafter.set_target_io(torch.randn(40, 32, dtype=torch.float64), torch.randn(40, 32, dtype=torch.float64))
+    batch = packed_batch([13, 9], 24, vocab=40, seed=1)
+    features = torch.randn(24, 96, dtype=torch.float64)
+    anchors, valid = select_anchors(batch["loss_mask"], batch["doc_ids"], 6, torch.Generator().manual_seed(0))
+    out = drafter(features, batch["input_ids"], batch["position_ids"], batch["doc_ids"], batch["loss_mask"],
+                  anchors, valid, slot_weights(4, 4.0).double(), topk=5)
+    out.loss.backward()
+    assert drafter.candidate_selector.successor_codebook.grad.abs().sum() > 0
+    assert drafter.layers[0].mlp_conv.kernel_projection.weight.grad.abs().sum() > 0
+    metrics = DraftMetrics(4, (1, 5), selector=True)
+    metrics.update(out.topk, out.labels, out.supervised, out.selector_hits)
+    values = metrics.compute()
+    assert 0 < float(values["selector/recall"]) <= 1 and float(values["selector/tau"]) >= 1
+    assert float(out.selector_loss) > 0
