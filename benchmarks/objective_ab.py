@@ -1,4 +1,4 @@
-"""A/B of training recipes on the tiny default (CPU): served tau by real speculative decoding, over seeds.
+"""A/B of training recipes on the tiny default: served tau by real speculative decoding, over seeds.
 
 Each run is `fit --config configs/tiny.yaml` with the recipe's `model.*` settings and `--seed_everything=N`,
 then `evaluate` of its last.ckpt on the 74 held-out prompts, as the README's first command does (its counting:
@@ -8,6 +8,10 @@ then `evaluate` of its last.ckpt on the 74 held-out prompts, as the README's fir
 
 Runs go one at a time by default, seed by seed (`--jobs N --threads M` runs N at once with M threads each, on
 a machine with N * M free cores); a finished run is read, not redone, so an interrupted A/B resumes.
+The DFlash / DFlash2 A/B (issue 24), sampled too, on a GPU (`--device cuda`: fit and evaluate there, in fp32):
+
+    python benchmarks/objective_ab.py --recipes dpace-ce,dflash2-dpace-ce --temperatures 0,0.6,1 --device cuda \
+        --out benchmarks/results/tiny-dflash2-ab.json
 """
 
 from __future__ import annotations
@@ -30,16 +34,23 @@ RECIPES = {
     "dpace-ce": {"objective": "ce", "loss_weights": "dpace"},
     "decay-kl": {"objective": "kl", "loss_weights": "decay"},
     "dpace-kl": {"objective": "kl", "loss_weights": "dpace"},
+    "dflash2-dpace-ce": {"objective": "ce", "loss_weights": "dpace", "drafter": {"variant": "dflash2"}},
 }
 PROMPTS = "dflash_lightning/assets/tiny/data/prompts.jsonl"
 
 
-def run_config(base: dict, run_dir: Path, seed: int, settings: dict) -> dict:
-    """The tiny config with the recipe's model settings, the seed, and every output under `run_dir`."""
+def run_config(base: dict, run_dir: Path, seed: int, settings: dict, device: str = "cpu") -> dict:
+    """The tiny config with the recipe's model settings (merged section by section), the seed, the device, and every
+    output under `run_dir`."""
     cfg = json.loads(json.dumps(base))  # deep copy
     cfg["seed_everything"] = seed
-    cfg["model"].update(settings)
+    for key, value in settings.items():
+        if isinstance(value, dict):
+            cfg["model"].setdefault(key, {}).update(value)
+        else:
+            cfg["model"][key] = value
     trainer = cfg["trainer"]
+    trainer["accelerator"] = "gpu" if device == "cuda" else "cpu"
     trainer["default_root_dir"] = str(run_dir)
     for logger in trainer["logger"]:
         logger["init_args"]["save_dir"] = str(run_dir)
@@ -49,7 +60,8 @@ def run_config(base: dict, run_dir: Path, seed: int, settings: dict) -> dict:
     return cfg
 
 
-def one_run(name: str, seed: int, work: Path, base: dict, config_name: str, threads: int | None = None) -> dict:
+def one_run(name: str, seed: int, work: Path, base: dict, config_name: str, threads: int | None = None,
+            device: str = "cpu", temperatures: str = "0") -> dict:
     """fit then evaluate one recipe and seed (or read the finished run); its figures."""
     run_dir = work / f"{name}-seed{seed}"
     report_path = run_dir / "eval" / "report.json"
@@ -58,7 +70,7 @@ def one_run(name: str, seed: int, work: Path, base: dict, config_name: str, thre
         return json.loads(record_path.read_text())
     run_dir.mkdir(parents=True, exist_ok=True)
     config = run_dir / "config.yaml"
-    config.write_text(yaml.safe_dump(run_config(base, run_dir, seed, RECIPES[name])))
+    config.write_text(yaml.safe_dump(run_config(base, run_dir, seed, RECIPES[name], device)))
     env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
     t0 = time.perf_counter()
     fit = [sys.executable, "-m", "dflash_lightning", "fit", "--config", str(config)]
@@ -67,7 +79,8 @@ def one_run(name: str, seed: int, work: Path, base: dict, config_name: str, thre
     t1 = time.perf_counter()
     ckpt = str(run_dir / "checkpoints/last.ckpt")
     evaluate = [sys.executable, "-m", "dflash_lightning", "evaluate", "--drafter", ckpt, "--prompts", PROMPTS,
-                "--device", "cpu", "--dtype", "float32", "--out", str(run_dir / "eval")]
+                "--device", device, "--dtype", "float32", "--out", str(run_dir / "eval"),
+                "--temperature", temperatures, "--seed", "0"]
     with open(run_dir / "eval.log", "w") as log:
         subprocess.run(evaluate, cwd=ROOT, env=env, check=True, stdout=log, stderr=subprocess.STDOUT)
     t2 = time.perf_counter()
@@ -77,10 +90,28 @@ def one_run(name: str, seed: int, work: Path, base: dict, config_name: str, thre
         "tau_pooled": report["tau_pooled"], "tau_prompt_mean": report["tau_prompt_mean"],
         "tokens_per_step": report["tokens_per_step"], "mismatches": report["mismatches"],
         "num_prompts": report["num_prompts"], "speedup": report["speedup"],
-        "fit_s": round(t1 - t0, 1), "evaluate_s": round(t2 - t1, 1), "threads": threads,
+        "fit_s": round(t1 - t0, 1), "evaluate_s": round(t2 - t1, 1), "threads": threads, "device": device,
+        "per_temperature": {t: {k: run.get(k) for k in ("tau_pooled", "tau_prompt_mean", "expected_tau_pooled",
+                                                        "mismatches")}
+                            for t, run in report.get("per_temperature", {}).items()},
+        "selector": _last_selector_metrics(run_dir),
     }
     record_path.write_text(json.dumps(record, indent=2) + "\n")
     return record
+
+
+def _last_selector_metrics(run_dir: Path) -> dict:
+    """The last logged train/selector/* and train/tau values of a run's CSV log (empty for DFlash)."""
+    import csv
+
+    out: dict = {}
+    for path in sorted(run_dir.glob("dflash/version_*/metrics.csv")):
+        with open(path) as f:
+            for row in csv.DictReader(f):
+                for key, value in row.items():
+                    if value and (key.startswith("train/selector") or key in ("train/tau", "val/tau", "val/loss")):
+                        out[key] = float(value)
+    return out
 
 
 def summary(records: list[dict], key: str) -> dict:
@@ -98,6 +129,8 @@ def main() -> None:
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--jobs", type=int, default=1, help="runs at once")
     parser.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS of each run; None: torch's default")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where fit and evaluate run")
+    parser.add_argument("--temperatures", default="0", help="evaluate's --temperature list, e.g. 0,0.6,1")
     args = parser.parse_args()
     base = yaml.safe_load((ROOT / args.config).read_text())
     seeds = [int(s) for s in args.seeds.split(",")]
@@ -108,8 +141,8 @@ def main() -> None:
     plan = [(name, seed) for seed in seeds for name in names]  # seed-major: an interrupted A/B has every recipe
     records = []
     with ThreadPoolExecutor(args.jobs) as pool:
-        runs = [pool.submit(one_run, name, seed, args.work.resolve(), base, args.config, args.threads)
-                for name, seed in plan]
+        runs = [pool.submit(one_run, name, seed, args.work.resolve(), base, args.config, args.threads, args.device,
+                            args.temperatures) for name, seed in plan]
         for run in runs:
             records.append(run.result())
             print(json.dumps(records[-1]), flush=True)
@@ -124,6 +157,12 @@ def write_result(args: argparse.Namespace, seeds: list[int], names: list[str], r
         if runs:
             recipes[name] = {"settings": RECIPES[name], "seeds": [r["seed"] for r in runs],
                              **{key: summary(runs, key) for key in ("tau_pooled", "tau_prompt_mean", "fit_s")}}
+            temps = runs[0].get("per_temperature") or {}
+            recipes[name]["per_temperature"] = {
+                t: {key: summary([{key: r["per_temperature"][t][key]} for r in runs], key)
+                    for key in ("tau_pooled", "tau_prompt_mean", "expected_tau_pooled")
+                    if all(r["per_temperature"].get(t, {}).get(key) is not None for r in runs)}
+                for t in temps}
     result = {
         "date": time.strftime("%Y-%m-%d"), "config": args.config, "seeds": seeds, "prompts": PROMPTS,
         "command": "python benchmarks/objective_ab.py " + " ".join(sys.argv[1:]),

@@ -365,11 +365,12 @@ def visible_pairs(cfg: DrafterConfig, batch: dict[str, torch.Tensor], num_anchor
     return pairs
 
 
-def drafter_shape(sliding_layers: int = 0, sliding_window: int = 2048) -> DrafterConfig:
-    """The Qwen3-8B recipe's drafter; its first `sliding_layers` layers slide with window W (DFLASH.md 3b)."""
+def drafter_shape(sliding_layers: int = 0, sliding_window: int = 2048, variant: str = "dflash") -> DrafterConfig:
+    """The Qwen3-8B recipe's drafter (`variant` dflash or dflash2, DFLASH.md 10); its first `sliding_layers` layers
+    slide with window W (DFLASH.md 3b)."""
     sliding = ["sliding_attention"] * sliding_layers + ["full_attention"] * (5 - sliding_layers)
     return DrafterConfig(num_layers=5, block_size=16, mask_token_id=MASK_ID, layer_types=sliding if sliding_layers
-                         else None, sliding_window=sliding_window if sliding_layers else None)
+                         else None, sliding_window=sliding_window if sliding_layers else None, variant=variant)
 
 
 def run_fit(target: Path, compile: bool, mode: str | None, warmup: int, measured: int, features: Callback,
@@ -556,6 +557,7 @@ def main() -> None:
     parser.add_argument("--doc-tokens", default="300,3000", help="lo,hi: random documents' length range")
     parser.add_argument("--target-compile", action="store_true", help="compile the pipeline target's layers")
     parser.add_argument("--target-attention", default="auto", help="attention of the pipeline's target (auto, sdpa)")
+    parser.add_argument("--variant", default="dflash", choices=["dflash", "dflash2"], help="the drafter's variant")
     parser.add_argument("--objective", default="ce", choices=["ce", "kl", "ce+kl"], help="model.objective")
     parser.add_argument("--loss-weights", default="dpace", choices=["decay", "dpace"], help="model.loss_weights")
     parser.add_argument("--stage-timeout", type=int, default=0,
@@ -570,7 +572,7 @@ def main() -> None:
                   f"--sliding-layers={args.sliding_layers}", f"--sliding-window={args.sliding_window}",
                   f"--objective={args.objective}", f"--loss-weights={args.loss_weights}"]
     shape = dict(token_budget=args.token_budget, anchors=args.anchors, doc_tokens=doc_tokens,
-                 drafter=drafter_shape(args.sliding_layers, args.sliding_window))
+                 drafter=drafter_shape(args.sliding_layers, args.sliding_window, args.variant))
     if args.probe_target:
         with tempfile.TemporaryDirectory() as logs:
             mode = None if args.modes == "default" else args.modes

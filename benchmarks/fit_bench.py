@@ -1,0 +1,130 @@
+"""The user's own `fit` command at the Qwen3-8B recipe shape on one GPU: steady step time and context tokens/s.
+
+Builds a random Qwen3-8B-shaped target (34 layers of weights, the 36-layer config; no download), a byte-level BPE
+tokenizer in its folder and synthetic conversations of log-normal lengths (median 700 tokens, as data_bench.py),
+then runs `python -m dflash_lightning fit --config CONFIG` with only the target, data, step count and output folder
+overridden, plus `StepTimer` (this file) as one more callback. Reproduce on an H200 with:
+
+    python benchmarks/fit_bench.py --config configs/qwen3-8b-dflash2.yaml --out X.json
+    python benchmarks/fit_bench.py --config configs/qwen3-8b.yaml --out Y.json -- --model.fp8=all
+
+Arguments after `--` go to `fit` unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from lightning.pytorch import Callback
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMER_OUT = "FIT_BENCH_TIMER_OUT"  # where StepTimer writes its figures (set by this script for the child)
+
+
+class StepTimer(Callback):
+    """Seconds per step over steps [warmup, end), synchronised at both ends only; peak memory; written as JSON."""
+
+    def __init__(self, warmup: int = 20) -> None:
+        self.warmup, self.t0, self.steps, self.start = warmup, None, 0, time.perf_counter()
+        self.first_step_s = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step = trainer.global_step
+        if self.first_step_s is None:
+            self.first_step_s = time.perf_counter() - self.start
+        if step == self.warmup:
+            _sync()
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
+            self.t0, self.steps = time.perf_counter(), 0
+        elif self.t0 is not None:
+            self.steps += 1
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        _sync()
+        if self.t0 is None or not self.steps:
+            return
+        seconds = (time.perf_counter() - self.t0) / self.steps
+        budget = trainer.datamodule.hparams.token_budget
+        Path(os.environ[TIMER_OUT]).write_text(json.dumps({
+            "step_s": seconds, "context_tokens_per_s": budget / seconds, "measured_steps": self.steps,
+            "warmup_steps": self.warmup, "first_step_after_s": self.first_step_s,
+            "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None,
+        }))
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def prepare(work: Path, docs: int) -> tuple[Path, Path]:
+    """The random target folder (with its tokenizer) and the conversations file, made once per folder."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.data_bench import make_tokenizer, write_conversations
+    from benchmarks.scaling_bench import make_target
+
+    target, data = work / "target", work / "train.jsonl"
+    if not (target / "config.json").exists():
+        make_target(target)
+    rng = random.Random(0)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    words = ["".join(rng.choices(letters, k=rng.randint(2, 9))) for _ in range(6000)]
+    if not data.exists():
+        tokens_per_word = make_tokenizer(target, words, rng)
+        write_conversations(data, docs, words, tokens_per_word, rng)
+    return target, data
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="configs/qwen3-8b.yaml")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--work", type=Path, default=Path("/tmp/fit-bench"), help="target, data and run folders")
+    parser.add_argument("--warmup", type=int, default=20, help="steps before the timed window (compile, warm-up)")
+    parser.add_argument("--steps", type=int, default=60, help="timed steps")
+    parser.add_argument("--docs", type=int, default=3000, help="synthetic conversations")
+    parser.add_argument("--target", type=Path, default=None, help="an existing target folder instead of a random one")
+    parser.add_argument("--data", type=Path, default=None, help="its conversations (with --target)")
+    parser.add_argument("fit_args", nargs="*", help="after --: more `fit` arguments")
+    args = parser.parse_args()
+    work = args.work.resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    target, data = (args.target, args.data) if args.target else prepare(work, args.docs)
+    run = work / f"run-{Path(args.config).stem}-{int(time.time())}"
+    run.mkdir()
+    timer_out = run / "timer.json"
+    command = [
+        sys.executable, "-m", "dflash_lightning", "fit", "--config", str((ROOT / args.config).resolve()),
+        f"--target.path={target}", f"--data.train_files=[{data}]", f"--data.val_files=[{data}]",
+        f"--trainer.max_steps={args.warmup + args.steps + 1}", "--trainer.limit_val_batches=0",
+        "--trainer.callbacks+=" + json.dumps({"class_path": "benchmarks.fit_bench.StepTimer",
+                                              "init_args": {"warmup": args.warmup}}),
+        *args.fit_args,
+    ]
+    env = {**os.environ, TIMER_OUT: str(timer_out), "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
+    t = time.perf_counter()
+    proc = subprocess.run(command, cwd=run, env=env, capture_output=True, text=True)
+    result = {"date": time.strftime("%Y-%m-%d"), "config": args.config, "fit_args": args.fit_args,
+              "command": "python benchmarks/fit_bench.py " + " ".join(sys.argv[1:]), "exit_code": proc.returncode,
+              "wall_s": time.perf_counter() - t, "device": torch.cuda.get_device_name() if torch.cuda.is_available()
+              else "cpu"}
+    if timer_out.exists():
+        result |= json.loads(timer_out.read_text())
+    else:
+        result["log_tail"] = (proc.stdout + proc.stderr)[-4000:]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
