@@ -71,14 +71,15 @@ class CandidateSelector(nn.Module):
         for p in (self.predecessor_codebook, self.successor_codebook, self.hidden_projection.weight):
             nn.init.normal_(p, std=std)
 
-    def pair_scores(self, hidden: Tensor, prev: Tensor, candidates: Tensor) -> Tensor:
-        """The bilinear term of every candidate of each row: hidden `[N, H]`, prev `[N]`, candidates `[N, K]`.
-
-        # [N, K], in fp32 (or the weights' wider dtype)
-        """
+    def _slot_terms(self, hidden: Tensor, candidates: Tensor) -> tuple[Tensor, Tensor]:
+        """What a slot's scores need besides prev: W h `[N, r]` and S of its candidates `[N, K, r]`."""
         dt = torch.promote_types(self.successor_codebook.dtype, torch.float32)
-        query = self.predecessor_codebook[prev].to(dt) * F.linear(hidden.to(dt), self.hidden_projection.weight.to(dt))
-        return torch.einsum("nr,nkr->nk", query, self.successor_codebook[candidates].to(dt))  # [N, r] . [N, K, r]
+        return F.linear(hidden.to(dt), self.hidden_projection.weight.to(dt)), self.successor_codebook[candidates].to(dt)
+
+    def _pair(self, projected: Tensor, successors: Tensor, prev: Tensor) -> Tensor:
+        """The bilinear term `(P[prev] * W h) . S[c]` of each row's candidates.  # [N, K]"""
+        query = self.predecessor_codebook[prev].to(projected.dtype) * projected  # [N, r]
+        return torch.einsum("nr,nkr->nk", query, successors)
 
     def candidates(self, logits: Tensor) -> tuple[Tensor, Tensor]:
         """The unary top K of each row of logits `[N, V]`: ids `[N, K]` and their logits `[N, K]` (fp32)."""
@@ -90,9 +91,10 @@ class CandidateSelector(nn.Module):
         """Greedy drafts of consecutive slots `hidden [n, H]`, `logits [n, V]`: slot by slot, prev is the token
         before (the block's first token, then each slot's pick).  # [n]"""
         ids, unary = self.candidates(logits)
+        projected, successors = self._slot_terms(hidden, ids)  # all slots at once; only prev is sequential
         prev, picks = first_prev.reshape(1), []
         for i in range(ids.shape[0]):
-            score = unary[i] + self.pair_scores(hidden[i : i + 1], prev, ids[i : i + 1])[0]
+            score = unary[i] + self._pair(projected[i : i + 1], successors[i : i + 1], prev)[0]
             prev = ids[i, score.argmax()].reshape(1)
             picks.append(prev)
         return torch.cat(picks)
@@ -105,10 +107,11 @@ class CandidateSelector(nn.Module):
         """Sampled drafts and their draft distributions q `[n, V]` (softmax(score / T) over each slot's K
         candidates, 0 elsewhere), slot by slot with prev the token sampled for the slot before.  # [n], [n, V]"""
         ids, unary = self.candidates(logits)
+        projected, successors = self._slot_terms(hidden, ids)
         prev, picks = first_prev.reshape(1), []
         q = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
         for i in range(ids.shape[0]):
-            score = unary[i] + self.pair_scores(hidden[i : i + 1], prev, ids[i : i + 1])[0]
+            score = unary[i] + self._pair(projected[i : i + 1], successors[i : i + 1], prev)[0]
             probs = torch.softmax(score / temperature, -1)  # [K]
             q[i, ids[i]] = probs
             prev = ids[i, torch.multinomial(probs, 1, generator=generator)].reshape(1)
