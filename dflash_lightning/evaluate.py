@@ -135,7 +135,8 @@ def summarize(records: list[dict[str, Any]], block_size: int, max_new_tokens: in
     prompt's own tau (the reference benchmark prints both). The histogram and per-slot acceptance are of the
     accepted drafts a as verified. tokens_per_step is all new tokens (the prefill's included) over all decode
     steps, what a serving engine gets per target forward. `expected_tau_pooled` is the mean over steps of 1 + the
-    step's expected accepted count `sum_k prod_{i<=k} P_i(d_i)` (section 6b): a itself when greedy, the sampled
+    step's expected accepted count `sum_k prod_{i<=k} r_i`, `r_i = P_i(d_i)` for argmax drafts (section 6b) and
+    `min(1, P_i(d_i) / q_i(d_i))` for DFlash2's sampled ones (section 10): a itself when greedy, the sampled
     count's expectation, without its noise, when sampling; it counts the last step whole (its tokens past a stop
     cannot be told apart in expectation), so it can exceed `tau_pooled` by that step's share. Mismatches with the
     target alone are counted for greedy runs only (None when sampled).
@@ -193,8 +194,9 @@ def print_summary(runs: list[dict[str, Any]]) -> None:
         return "-" if x is None else format(x, spec)
 
     table = Table(title="DFlash speculative decoding", caption=(
-        "T: temperature. expected tau: 1 + sum_k prod_{i<=k} P_i(d_i) of the same verifications, pooled "
-        "(DFLASH.md 6b). mismatches: outputs unlike the target alone's (greedy only)."))
+        "T: temperature. expected tau: 1 + sum_k prod_{i<=k} r_i of the same verifications, pooled, r_i = P_i(d_i) "
+        "(DFLASH.md 6b; min(1, P/q) for sampled DFlash2 drafts). mismatches: outputs unlike the target alone's "
+        "(greedy only)."))
     for col in ("T", "prompts", "category", "tau pooled", "tau prompt mean", "expected tau", "tokens/step", "speedup",
                 "mismatches"):
         table.add_column(col, justify="right")
