@@ -110,4 +110,5 @@ def test_two_process_ddp_fit_through_the_cli(tmp_path, placement):
     header = metrics[0].split(",")
     losses = [float(row.split(",")[header.index("train/loss")]) for row in metrics[1:]
               if row.split(",")[header.index("train/loss")]]
-    assert len(losses) == 3 and all(0 < loss < 20 for loss in losses)
+    # the tiny config's DFlash2 loss: unary CE plus the selector's CE, each under 20 from the first step
+    assert len(losses) == 3 and all(0 < loss < 40 for loss in losses)
