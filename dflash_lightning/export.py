@@ -42,6 +42,10 @@ REQUIRED_FIELDS = (
     "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
     "rms_norm_eps", "max_position_embeddings", "vocab_size", "num_target_layers", "block_size",
 )
+# DFlash2 (DFLASH.md section 10): its architecture name (what vLLM and SGLang pick its loader by) and the
+# dflash_config fields it adds; a DFlash folder has neither.
+ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 DType = Literal["bfloat16", "float16", "float32"]
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 # Lightning precision -> the dtype the drafter's forward ran in, which is what it is served in.
@@ -69,10 +73,14 @@ def hf_config(cfg: DrafterConfig, dtype: DType) -> dict[str, Any]:
     attention = {"use_sliding_window": sliding, "sliding_window": cfg.sliding_window if sliding else None}
     if cfg.is_causal is not None:
         attention["is_causal"] = cfg.is_causal
+    architecture = ARCHITECTURES[cfg.variant]
+    dflash = {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)}
+    if cfg.is_dflash2:
+        dflash |= {k: getattr(cfg, k) for k in DFLASH2_FIELDS}
     return {
-        "architectures": ["DFlashDraftModel"],
+        "architectures": [architecture],
         "model_type": "qwen3",
-        "auto_map": {"AutoModel": f"{MODELING_FILE.stem}.DFlashDraftModel"},
+        "auto_map": {"AutoModel": f"{MODELING_FILE.stem}.{architecture}"},
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
         "num_hidden_layers": cfg.num_layers,
@@ -91,7 +99,7 @@ def hf_config(cfg: DrafterConfig, dtype: DType) -> dict[str, Any]:
         **attention,
         "num_target_layers": cfg.num_target_layers,
         "block_size": cfg.block_size,
-        "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)},
+        "dflash_config": dflash,
         "dtype": dtype,
     }
 
@@ -149,6 +157,7 @@ def config_from_hf(raw: dict[str, Any]) -> DrafterConfig:
     dtype = raw.get("dtype", raw.get("torch_dtype"))
     if dtype is not None and dtype not in DTYPES:
         raise ConfigError(f"drafter config.json: dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    variant = _variant(raw, dflash)
     rope_theta, rope_scaling = _rope_settings(SimpleNamespace(**raw))
     layer_types, window = _attention_fields(raw)
     cfg = DrafterConfig(
@@ -162,10 +171,34 @@ def config_from_hf(raw: dict[str, Any]) -> DrafterConfig:
         num_target_layers=raw["num_target_layers"], attention_bias=bool(raw.get("attention_bias", False)),
         layer_types=layer_types, sliding_window=window,
         is_causal=None if raw.get("is_causal") is None else bool(raw["is_causal"]),
+        variant=variant, **({k: int(dflash[k]) for k in DFLASH2_FIELDS} if variant == "dflash2" else {}),
     )
     # gamma is a training choice a folder does not carry; check everything else.
     replace(cfg, gamma=cfg.gamma or 1.0).check()
     return cfg
+
+
+def _variant(raw: dict[str, Any], dflash: dict[str, Any]) -> str:
+    """The drafter variant of a config.json: its architecture, which must agree with the DFlash2 fields it holds
+    (the engines build the convolutions from those fields and the selector from the architecture)."""
+    architectures = raw.get("architectures") or [ARCHITECTURES["dflash"]]
+    known = {name: variant for variant, name in ARCHITECTURES.items()}
+    if len(architectures) != 1 or architectures[0] not in known:
+        raise ConfigError(f"drafter config.json: architectures {architectures} is not one of "
+                          f"{[[name] for name in known]}")
+    variant = known[architectures[0]]
+    present = [k for k in DFLASH2_FIELDS if dflash.get(k) is not None]
+    if variant == "dflash2" and len(present) < len(DFLASH2_FIELDS):
+        missing = [f"dflash_config.{k}" for k in DFLASH2_FIELDS if k not in present]
+        raise ConfigError(f"drafter config.json: a DFlash2DraftModel lacks {', '.join(missing)}")
+    if variant == "dflash" and present:
+        raise ConfigError(f"drafter config.json: a DFlashDraftModel has DFlash2 field(s) "
+                          f"{', '.join('dflash_config.' + k for k in present)}; set architectures to "
+                          "[\"DFlash2DraftModel\"] or remove them")
+    for k in present:
+        if type(dflash[k]) is not int:
+            raise ConfigError(f"drafter config.json: dflash_config.{k} must be an integer, got {dflash[k]!r}")
+    return variant
 
 
 def _attention_fields(raw: dict[str, Any]) -> tuple[list[str] | None, int | None]:

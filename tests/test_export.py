@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import shlex
 from dataclasses import replace
@@ -198,8 +199,13 @@ def test_export_cli(checkpoint, tmp_path, capsys):
 
 # -- train/serve parity -------------------------------------------------------------------------------------------
 
+# DFlash2 (DFLASH.md section 10) at the tiny target's shape: 3 taps, groups of 16 channels, K = 4 of 60 tokens.
+DFLASH2 = {"variant": "dflash2", "conv_kernel_size": 3, "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 4}
+
+
 def parity_drafter(target: Path, dtype: torch.dtype, **attention) -> DFlashDrafter:
-    """A random drafter for the tiny target with non-trivial norms, attached to its embedding and head."""
+    """A random drafter for the tiny target with non-trivial norms (and, for DFlash2, convolutions that are not the
+    identity), attached to its embedding and head."""
     from transformers import AutoConfig
 
     cfg = DrafterConfig(num_layers=2, block_size=8, mask_token_id=52, **attention)
@@ -229,23 +235,31 @@ YARN = {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_posit
 
 @pytest.mark.parametrize("dtype,attention", [
     (torch.float32, {}), (torch.bfloat16, {}), (torch.float32, SLIDING), (torch.float32, SLIDING_BIDIR),
-    (torch.float32, {**SLIDING, **YARN}),
+    (torch.float32, {**SLIDING, **YARN}), (torch.float32, DFLASH2), (torch.bfloat16, DFLASH2),
+    (torch.float32, {**SLIDING, **DFLASH2}),
 ])
 def test_exported_folder_drafts_what_training_trained(tiny_target, tmp_path, dtype, attention):
-    """AutoModel + the modelling file's forward, fed as engines feed it, equals DFlashDrafter.block_hidden."""
+    """AutoModel + the modelling file's forward, fed as engines feed it, equals DFlashDrafter.block_hidden; for
+    DFlash2 the folder's selector drafts what ours does."""
     drafter = parity_drafter(tiny_target, dtype, **attention)
     folder = write_folder(drafter.config, drafter.state_dict(), tmp_path / "drafter")
-    served = AutoModel.from_pretrained(folder, trust_remote_code=True, dtype=dtype).eval()
+    served, info = AutoModel.from_pretrained(folder, trust_remote_code=True, dtype=dtype, output_loading_info=True)
+    served.eval()
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    assert type(served).__name__ == ("DFlash2DraftModel" if drafter.config.is_dflash2 else "DFlashDraftModel")
     docs, starts = [13, 9, 20], [0, 13, 22]
     batch = packed_batch(docs, 48, vocab=50, seed=7)
     features = torch.randn(48, 2 * 64).to(dtype)
     anchors = torch.tensor([0, 6, 12, 13, 17, 21, 22, 35, 41])  # starts, middles and ends of the three documents
     same_drafts = 0
+    same_picks = 0
+    selector = copy.deepcopy(drafter.candidate_selector).float() if drafter.config.is_dflash2 else None
     with torch.no_grad():
-        trained = drafter.logits(drafter.block_hidden(
+        trained_hidden = drafter.block_hidden(
             features, batch["input_ids"], batch["position_ids"], batch["doc_ids"], anchors,
             torch.ones(anchors.numel(), dtype=torch.bool),
-        ))  # [A, B, V]
+        )
+        trained = drafter.logits(trained_hidden)  # [A, B, V]
         for a, p in enumerate(anchors.tolist()):
             s = starts[int(batch["doc_ids"][p])]
             block = torch.full((1, 8), 52)
@@ -256,14 +270,23 @@ def test_exported_folder_drafts_what_training_trained(tiny_target, tmp_path, dty
             logits = drafter.logits(hidden[0])  # [B, V]
             torch.testing.assert_close(logits, trained[a], **TOLERANCE[dtype])
             same_drafts += int((logits[1:].argmax(-1) == trained[a, 1:].argmax(-1)).sum())
+            if drafter.config.is_dflash2:  # the selector's greedy path: the folder's against ours
+                # ours in fp32: CandidateSelector.pair_scores feeds fp32 hidden states to the projection
+                ours = selector.greedy(trained_hidden[a, 1:].float(), trained[a, 1:], block[0, 0])
+                picks = served.propose(hidden[0, 1:], logits[1:], int(block[0, 0]))
+                same_picks += int((picks == ours).sum())
     # the draft tokens themselves: all equal in float32; bfloat16 may flip a near-tie
-    assert same_drafts == 7 * anchors.numel() if dtype == torch.float32 else same_drafts >= 0.9 * 7 * anchors.numel()
+    n = 7 * anchors.numel()
+    assert same_drafts == n if dtype == torch.float32 else same_drafts >= 0.9 * n
+    if drafter.config.is_dflash2:
+        assert same_picks == n if dtype == torch.float32 else same_picks >= 0.8 * n
 
 
-def test_exported_spec_generate_is_lossless(tiny_target, tmp_path):
+@pytest.mark.parametrize("variant", [{}, DFLASH2])
+def test_exported_spec_generate_is_lossless(tiny_target, tmp_path, variant):
     """The folder's own `spec_generate` (the published usage) equals the target's greedy decoding."""
     target = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
-    drafter = parity_drafter(tiny_target, torch.float32)
+    drafter = parity_drafter(tiny_target, torch.float32, **variant)
     served = AutoModel.from_pretrained(write_folder(drafter.config, drafter.state_dict(), tmp_path / "d"),
                                        trust_remote_code=True).eval()
     g = torch.Generator().manual_seed(0)

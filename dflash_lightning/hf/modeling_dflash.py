@@ -156,8 +156,60 @@ class DFlashAttention(nn.Module):
         return visible[None, None]
 
 
+class BlockConv(nn.Module):
+    """DFlash2's convolution around one sublayer (DFLASH.md section 10), over the tokens of ONE block `[b, q, H]`:
+    `conv(x, d, b)[t, c] = sum_{tau <= t} (b[tau, c] + d[t, tau, G(c)]) * x[t - tau, c]`, G(c) = c // g."""
+
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__()
+        dflash = config.dflash_config
+        h, self.k, self.g = config.hidden_size, int(dflash["conv_kernel_size"]), int(dflash["conv_group_size"])
+        self.base_kernel = nn.Parameter(torch.zeros(2, self.k, h))  # [2 (in, out), k, H]
+        self.kernel_projection = nn.Linear(h, 2 * self.k * (h // self.g), bias=False)
+
+    def forward(self, x: torch.Tensor, sublayer) -> torch.Tensor:
+        """`conv_out(sublayer(conv_in(x)))`, both kernels from one projection of x (after the input norm)."""
+        d = self.kernel_projection(x).unflatten(-1, (2, self.k, -1))  # [b, q, 2, k, H/g]
+        return self.taps(sublayer(self.taps(x, d[:, :, 0], self.base_kernel[0])), d[:, :, 1], self.base_kernel[1])
+
+    def taps(self, x: torch.Tensor, d: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+        """One convolution of `x [b, q, H]` with dynamic taps `d [b, q, k, H/g]` and base taps `[k, H]`."""
+        grouped = (x.shape[-1] // self.g, self.g)
+        out = torch.zeros_like(x).unflatten(-1, grouped)
+        for tau in range(self.k):
+            shifted = F.pad(x, (0, 0, tau, 0))[:, : x.shape[1]].unflatten(-1, grouped)  # slot t reads t - tau
+            out = out + (base[tau].to(x.dtype).unflatten(-1, grouped) + d[:, :, tau, :, None]) * shifted
+        return out.flatten(-2)
+
+
+class CandidateSelector(nn.Module):
+    """DFlash2's re-ranking of each slot's unary top K: `score(c) = u[c] + sum_r P[prev, r] (W h)[r] S[c, r]`."""
+
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__()
+        dflash = config.dflash_config
+        r, self.top_k = int(dflash["selector_rank"]), int(dflash["selector_top_k"])
+        self.predecessor_codebook = nn.Parameter(torch.zeros(config.vocab_size, r))  # bare: no `.weight`
+        self.successor_codebook = nn.Parameter(torch.zeros(config.vocab_size, r))
+        self.hidden_projection = nn.Linear(config.hidden_size, r, bias=False)
+
+    @torch.no_grad()
+    def greedy(self, hidden: torch.Tensor, logits: torch.Tensor, first_prev: int) -> torch.Tensor:
+        """Drafts of consecutive slots `hidden [n, H]`, `logits [n, V]`: argmax score slot by slot, prev the
+        block's first token, then each pick.  # [n]"""
+        unary, ids = logits.float().topk(self.top_k, dim=-1)  # [n, K]
+        projected = self.hidden_projection(hidden.to(self.hidden_projection.weight.dtype)).float()  # [n, r]
+        prev, picks = first_prev, []
+        for i in range(ids.shape[0]):
+            query = self.predecessor_codebook[prev].float() * projected[i]  # [r]
+            score = unary[i] + self.successor_codebook[ids[i]].float() @ query  # [K]
+            prev = int(ids[i, score.argmax()])
+            picks.append(prev)
+        return torch.tensor(picks, dtype=torch.long, device=logits.device)
+
+
 class DFlashDecoderLayer(nn.Module):
-    """Pre-norm Qwen3 layer whose attention also reads the context."""
+    """Pre-norm Qwen3 layer whose attention also reads the context; DFlash2 wraps each sublayer in a BlockConv."""
 
     def __init__(self, config: Qwen3Config, layer_idx: int) -> None:
         super().__init__()
@@ -165,12 +217,22 @@ class DFlashDecoderLayer(nn.Module):
         self.self_attn = DFlashAttention(config, layer_idx)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = Qwen3MLP(config)
+        self.attention_conv: BlockConv | None = None  # set by DFlash2DraftModel
+        self.mlp_conv: BlockConv | None = None
 
     def forward(self, hidden_states: torch.Tensor, context: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attention_mask: torch.Tensor | None = None, past_key_values=None) -> torch.Tensor:
         x = hidden_states
-        x = x + self.self_attn(self.input_layernorm(x), context, cos, sin, attention_mask, past_key_values)
-        return x + self.mlp(self.post_attention_layernorm(x))
+
+        def attend(h: torch.Tensor) -> torch.Tensor:
+            return self.self_attn(h, context, cos, sin, attention_mask, past_key_values)
+
+        x = x + _sublayer(self.attention_conv, self.input_layernorm(x), attend)
+        return x + _sublayer(self.mlp_conv, self.post_attention_layernorm(x), self.mlp)
+
+
+def _sublayer(conv: BlockConv | None, x: torch.Tensor, fn) -> torch.Tensor:
+    return fn(x) if conv is None else conv(x, fn)
 
 
 class DFlashDraftModel(PreTrainedModel):
@@ -225,6 +287,10 @@ class DFlashDraftModel(PreTrainedModel):
             x = layer(x, context, cos, sin, attention_mask, past_key_values)
         return self.norm(x)
 
+    def propose(self, hidden: torch.Tensor, logits: torch.Tensor, first_prev: int) -> torch.Tensor:
+        """Greedy drafts of slots 1.. from their hidden states `[n, H]` and logits `[n, V]`: the argmax.  # [n]"""
+        return logits.argmax(-1)
+
     def target_features(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """Context features from a target's `output_hidden_states`: outputs of the target layers.  # [b, n, K*H]"""
         return torch.cat([hidden_states[j + 1] for j in self.target_layer_ids], dim=-1)
@@ -261,7 +327,7 @@ class DFlashDraftModel(PreTrainedModel):
             hidden = self(positions, noise_embedding=embed(block), target_hidden=context,
                           past_key_values=draft_cache, use_cache=True)
             _crop(draft_cache, start)  # keep the context K/V, drop the block's
-            block[0, 1:] = head(hidden[:, 1:].to(head.weight.dtype)).argmax(-1)
+            block[0, 1:] = self.propose(hidden[0, 1:], head(hidden[0, 1:].to(head.weight.dtype)), int(block[0, 0]))
             block = block[:, : min(B, max_new_tokens - len(tokens))]  # verify only tokens still wanted
             out = target(input_ids=block, **{cache_arg: target_cache}, use_cache=True, output_hidden_states=True)
             a, bonus, _ = verify_drafts(block[0, 1:], out.logits[0], **sampling)
@@ -279,6 +345,24 @@ class DFlashDraftModel(PreTrainedModel):
         return torch.cat([input_ids, new_ids[None]], dim=1)
 
 
+class DFlash2DraftModel(DFlashDraftModel):
+    """DFlash2 (DFLASH.md section 10): the DFlash drafter plus a BlockConv around each sublayer of every layer and a
+    CandidateSelector that picks each slot's draft among the unary top K."""
+
+    _no_split_modules = ["DFlashDecoderLayer"]
+
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__(config)
+        for layer in self.layers:
+            layer.attention_conv, layer.mlp_conv = BlockConv(config), BlockConv(config)
+        self.candidate_selector = CandidateSelector(config)
+        self.post_init()
+
+    def propose(self, hidden: torch.Tensor, logits: torch.Tensor, first_prev: int) -> torch.Tensor:
+        """Greedy drafts along the selector's choices (prev: the block's first token, then each pick).  # [n]"""
+        return self.candidate_selector.greedy(hidden, logits, first_prev)
+
+
 def _crop(cache, length: int) -> None:
     """Keep the first `length` positions of a transformers cache (negative crop works in 4.x and 5.x)."""
     remove = cache.get_seq_length() - length
@@ -287,5 +371,6 @@ def _crop(cache, length: int) -> None:
 
 
 __all__ = [
-    "DFlashDraftModel", "accepted_length", "check_sampling", "next_token", "sampling_probs", "verify_drafts",
+    "DFlash2DraftModel", "DFlashDraftModel", "accepted_length", "check_sampling", "next_token", "sampling_probs",
+    "verify_drafts",
 ]
