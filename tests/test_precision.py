@@ -137,6 +137,7 @@ def test_gpu_configs_keep_fp32_master_weights_and_compile_the_target(name):
 
     config = yaml.safe_load((CONFIGS / name).read_text())
     assert config["trainer"]["precision"] == "bf16-mixed"
-    # FP8 stays opt-in: at the 8B shape its loss curve lags bf16-mixed's by about 29x the seeds' spread (README)
+    # FP8 stays opt-in: at the 8B shape its loss curve lags bf16-mixed's by about 29x the seeds' spread
+    # (benchmarks/RESULTS.md)
     assert config["model"]["fp8"] == "none"
     assert config["target"]["compile"] is True  # 1.33x the eager target's rate on an H200, same features

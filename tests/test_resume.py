@@ -118,7 +118,7 @@ def test_free_settings_take_effect_and_are_logged(resume_config, step3, tmp_path
 def test_the_compiled_drafter_loads_a_checkpoint_with_the_same_keys(resume_config, step3):
     """compile: true compiles the layers in place, so a resumed compiled run loads an eager checkpoint strictly.
 
-    (A compiled resumed fit takes about 100 s on 2 shared CPU cores, too slow for the suite: see the README.)
+    (A compiled resumed fit takes about 100 s on 2 shared CPU cores, too slow for the suite: see docs/long-runs.md.)
     """
     cli = cli_main(["--config", str(resume_config), "--model.compile=true"], run=False)
     cli.model.configure_model()

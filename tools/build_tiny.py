@@ -9,7 +9,7 @@ Software Foundation License):
 3. a small ``Qwen3ForCausalLM`` trained on the training conversations (AdamW, cosine schedule);
 4. the training / held-out data regenerated with the trained target's own greedy responses.
 
-Run ``python -m dflash_lightning.assets.build_tiny`` (defaults: ``--out dflash_lightning/assets/tiny
+Run ``python tools/build_tiny.py`` (defaults: ``--out dflash_lightning/assets/tiny
 --minutes 2 --seed 0``). The number of optimizer steps is derived from ``--minutes`` through a fixed
 calibration constant, never from the clock, so the output is reproducible for a given Python, torch
 version, machine type and thread count.
@@ -35,7 +35,8 @@ from pathlib import Path
 
 import torch
 
-DEFAULT_OUT = Path(__file__).resolve().parent / "tiny"
+# The package's assets folder; this script lives outside the package so that the wheel ships the assets only.
+DEFAULT_OUT = Path(__file__).resolve().parents[1] / "dflash_lightning" / "assets" / "tiny"
 
 # ----------------------------------------------------------------------------- text source
 
@@ -650,12 +651,12 @@ def _write_readme(out: Path, info: dict) -> None:
     loss_on = "all tokens" if LOSS_ON_ALL_TOKENS else "assistant tokens"
     stats = info["regen_stats"]
     n_tok = info["tokenizer_len"]
-    cmd = f"python -m dflash_lightning.assets.build_tiny --minutes {info['minutes']:g} --seed {info['seed']}"
+    cmd = f"python tools/build_tiny.py --minutes {info['minutes']:g} --seed {info['seed']}"
     text = f"""# Tiny DFlash assets
 
 A tiny but *trained* Qwen3 target and small chat data sets, so that the DFlash pipeline (target features, \
 drafter training, speculative decoding, export) runs end to end offline on a CPU. Built by \
-`dflash_lightning/assets/build_tiny.py`; do not edit by hand.
+`tools/build_tiny.py`; do not edit by hand.
 
 ## Rebuild
 
