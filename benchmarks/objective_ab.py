@@ -2,7 +2,7 @@
 
 Each run is `fit --config configs/tiny.yaml` with the recipe's `model.*` settings and `--seed_everything=N`,
 then `evaluate` of its last.ckpt on the 74 held-out prompts, as the README's first command does (its counting:
-`tau_pooled` over all steps and `tau_prompt_mean`, DFLASH.md section 6):
+`tau_pooled` over all steps and `tau_prompt_mean`, docs/method.md section 6):
 
     python benchmarks/objective_ab.py --out benchmarks/results/tiny-objectives.json
 

@@ -366,8 +366,8 @@ def visible_pairs(cfg: DrafterConfig, batch: dict[str, torch.Tensor], num_anchor
 
 
 def drafter_shape(sliding_layers: int = 0, sliding_window: int = 2048, variant: str = "dflash") -> DrafterConfig:
-    """The Qwen3-8B recipe's drafter (`variant` dflash or dflash2, DFLASH.md 10); its first `sliding_layers` layers
-    slide with window W (DFLASH.md 3b)."""
+    """The Qwen3-8B recipe's drafter (`variant` dflash or dflash2, docs/method.md 10); its first `sliding_layers` layers
+    slide with window W (docs/method.md 3b)."""
     sliding = ["sliding_attention"] * sliding_layers + ["full_attention"] * (5 - sliding_layers)
     return DrafterConfig(num_layers=5, block_size=16, mask_token_id=MASK_ID, layer_types=sliding if sliding_layers
                          else None, sliding_window=sliding_window if sliding_layers else None, variant=variant)

@@ -1,4 +1,4 @@
-"""The block rules of DFLASH.md sections 3-4b: anchors, block inputs, labels, slot weights, block mask.
+"""The block rules of docs/method.md sections 3-4b: anchors, block inputs, labels, slot weights, block mask.
 
 One implementation of each rule, used by training, evaluation and export; every tensor has a fixed
 shape set by the token budget T, the anchor count A and the block size B, so the step compiles once.
@@ -32,7 +32,7 @@ def base_slot_weights(block_size: int, loss_weights: str, gamma: float) -> Tenso
 
 
 def dpace_weights(ce: Tensor, supervised: Tensor, alpha: float = 0.5) -> Tensor:
-    """D-PACE slot weights of blocks (DFLASH.md section 4b) from their per-slot CE `[..., B]`.  # [..., B]
+    """D-PACE slot weights of blocks (docs/method.md section 4b) from their per-slot CE `[..., B]`.  # [..., B]
 
     `w_k = m_k * sum_{j>=k} m_j * prod_{i<=j} s_i` with `s_i = (1 - alpha) * exp(-CE_i) + alpha` where slot i
     is supervised (`m_i`), else 1: the derivative of the expected accepted length by `log s_k`. No gradient.
@@ -123,7 +123,7 @@ def block_labels(
 def window_rule(
     query_pos: Tensor, key_pos: Tensor, key_in_block: Tensor, window: int | None, causal: bool
 ) -> Tensor | bool:
-    """A layer's rule of DFLASH.md section 3b on keys its block may see: causal inside the block, a window.
+    """A layer's rule of docs/method.md section 3b on keys its block may see: causal inside the block, a window.
 
     The query at position `p + i` keeps a context key at j when `(p + i) - j < W`; a key of its own block
     at `p + k` when `k <= i` (causal) and `|i - k| < W`. Full bidirectional layers keep everything.

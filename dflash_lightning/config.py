@@ -1,4 +1,4 @@
-"""The drafter's configuration and how it is derived from the target's (DFLASH.md sections 1, 2, 7b).
+"""The drafter's configuration and how it is derived from the target's (docs/method.md sections 1, 2, 7b).
 
 Every size the drafter shares with the target is read from the target's config unless set here.
 """
@@ -8,11 +8,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Literal
 
-# Loss decay per block size (DFLASH.md section 4); other block sizes must set gamma explicitly.
+# Loss decay per block size (docs/method.md section 4); other block sizes must set gamma explicitly.
 DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
-# Attention types of a drafter layer, named as config.json's `layer_types` names them (DFLASH.md section 3b).
+# Attention types of a drafter layer, named as config.json's `layer_types` names them (docs/method.md section 3b).
 LAYER_TYPES = ("full_attention", "sliding_attention")
-# Drafter variants (DFLASH.md section 10): DFlash, and DFlash2 = DFlash + block convolutions + a candidate selector.
+# Drafter variants (docs/method.md section 10): DFlash, and DFlash2 = DFlash + block convolutions + a selector.
 VARIANTS = ("dflash", "dflash2")
 
 
@@ -67,7 +67,7 @@ class DrafterConfig:
     attention_bias: bool = False
     """Bias on q/k/v/o projections (Qwen3: no)."""
     layer_types: list[str] | None = None
-    """Attention of each drafter layer, `full_attention` or `sliding_attention` (DFLASH.md 3b); None: all full."""
+    """Attention of each drafter layer, `full_attention` or `sliding_attention` (docs/method.md 3b); None: all full."""
     sliding_window: int | None = None
     """Window W of sliding layers: slot i of an anchor p sees context j of its document with (p+i) - j < W."""
     is_causal: bool | None = None
@@ -75,7 +75,7 @@ class DrafterConfig:
     default); true or false: every layer."""
 
     variant: Literal["dflash", "dflash2"] = "dflash"
-    """`dflash`, or `dflash2`: the same drafter plus block convolutions and a candidate selector (DFLASH.md 10)."""
+    """`dflash`, or `dflash2`: the same drafter plus block convolutions and a candidate selector (docs/method.md 10)."""
     conv_kernel_size: int = 2
     """DFlash2: taps k of each block convolution (slot t reads slots t-k+1..t of its own block)."""
     conv_group_size: int = 16
@@ -162,7 +162,7 @@ class DrafterConfig:
                     f"target_layer_ids {list(self.target_layer_ids)} name the target's last layer ({last}): the "
                     "engines disagree about its feature (Hugging Face and the reference take the final norm's "
                     "output, vLLM the residual stream before it, SGLang's Qwen3 and Llama never capture it), so "
-                    f"such a drafter serves differently in each (DFLASH.md section 1); use ids up to {last - 1}"
+                    f"such a drafter serves differently in each (docs/method.md section 1); use ids up to {last - 1}"
                 )
         if self.mask_token_id is not None and self.vocab_size is not None:
             if not 0 <= self.mask_token_id < self.vocab_size:

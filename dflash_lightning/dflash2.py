@@ -1,4 +1,4 @@
-"""DFlash2's two modules (DFLASH.md section 10): block-local convolutions and the candidate selector.
+"""DFlash2's two modules (docs/method.md section 10): block-local convolutions and the candidate selector.
 
 A DFlash2 drafter is the DFlash drafter with a `BlockConv` around each sublayer of every layer and a
 `CandidateSelector` after the final norm; both start as no-ops, so a DFlash checkpoint is a valid warm start.

@@ -1,4 +1,4 @@
-"""Evaluate a drafter by real speculative decoding, greedy or sampled (DFLASH.md sections 5, 6, 6b): tau, speedup.
+"""Evaluate a drafter by real speculative decoding, greedy or sampled (docs/method.md sections 5, 6, 6b): tau, speedup.
 
 `evaluate` works on an in-memory drafter and Hugging Face target on any device (training-time validation
 calls it); `evaluate_drafter` (`python -m dflash_lightning evaluate`) runs it per temperature asked for and writes
@@ -121,7 +121,7 @@ def first_mismatch(a: list[int], b: list[int]) -> int | None:
 
 
 def pooled_tau(records: list[dict[str, Any]]) -> float | None:
-    """All counted tokens over all decode steps of these prompts (DFLASH.md section 6); None without steps."""
+    """All counted tokens over all decode steps of these prompts (docs/method.md section 6); None without steps."""
     steps = sum(len(r["step_tokens"]) for r in records)
     return sum(sum(r["step_tokens"]) for r in records) / steps if steps else None
 
@@ -130,7 +130,7 @@ def summarize(records: list[dict[str, Any]], block_size: int, max_new_tokens: in
               ) -> dict[str, Any]:
     """tau, acceptance histogram, per-slot acceptance, per-category tau, speedup and mismatches of per-prompt runs.
 
-    tau counts per DFLASH.md section 6 (`step_tokens`: a + 1 per step, the last step only up to the stop token or
+    tau counts per docs/method.md section 6 (`step_tokens`: a + 1 per step, the last step only up to the stop token or
     the length limit): `tau_pooled` is all counted tokens over all steps, `tau_prompt_mean` the mean of each
     prompt's own tau (the reference benchmark prints both). The histogram and per-slot acceptance are of the
     accepted drafts a as verified. tokens_per_step is all new tokens (the prefill's included) over all decode
@@ -195,7 +195,7 @@ def print_summary(runs: list[dict[str, Any]]) -> None:
 
     table = Table(title="DFlash speculative decoding", caption=(
         "T: temperature. expected tau: 1 + sum_k prod_{i<=k} r_i of the same verifications, pooled, r_i = P_i(d_i) "
-        "(DFLASH.md 6b; min(1, P/q) for sampled DFlash2 drafts). mismatches: outputs unlike the target alone's "
+        "(docs/method.md 6b; min(1, P/q) for sampled DFlash2 drafts). mismatches: outputs unlike the target alone's "
         "(greedy only)."))
     for col in ("T", "prompts", "category", "tau pooled", "tau prompt mean", "expected tau", "tokens/step", "speedup",
                 "mismatches"):

@@ -1,4 +1,4 @@
-"""Export a trained drafter as the Hugging Face folder inference engines load (DFLASH.md section 7), and back.
+"""Export a trained drafter as the Hugging Face folder inference engines load (docs/method.md section 7), and back.
 
 `export_checkpoint` writes config.json (with the weights' `dtype`), model.safetensors and the modelling file, all or
 nothing (`replace_folder`);
@@ -42,7 +42,7 @@ REQUIRED_FIELDS = (
     "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
     "rms_norm_eps", "max_position_embeddings", "vocab_size", "num_target_layers", "block_size",
 )
-# DFlash2 (DFLASH.md section 10): its architecture name (what vLLM and SGLang pick its loader by) and the
+# DFlash2 (docs/method.md section 10): its architecture name (what vLLM and SGLang pick its loader by) and the
 # dflash_config fields it adds; a DFlash folder has neither.
 ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
 DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
@@ -66,7 +66,7 @@ def hf_config(cfg: DrafterConfig, dtype: DType) -> dict[str, Any]:
     target's dtype. Sliding layers follow the Qwen3 convention (`layer_types`, `sliding_window`,
     `use_sliding_window`, without which transformers drops the window); `is_causal` is written only when set, as
     the reference reads it. Fields the engines default to this drafter's values are left out
-    (use_aux_hidden_state, target_hidden_size, draft_vocab_size, mask_token); DFLASH.md section 7.
+    (use_aux_hidden_state, target_hidden_size, draft_vocab_size, mask_token); docs/method.md section 7.
     """
     layer_types = list(cfg.layer_types or ["full_attention"] * cfg.num_layers)
     sliding = "sliding_attention" in layer_types

@@ -1,4 +1,4 @@
-"""The training objective through the frozen target head, in chunks (DFLASH.md sections 4, 4b, 4c and 8).
+"""The training objective through the frozen target head, in chunks (docs/method.md sections 4, 4b, 4c and 8).
 
 The head is frozen, so only the gradient with respect to the drafter's hidden states is needed: it is
 computed chunk by chunk in the forward pass, and no `[A*B, vocab]` fp32 tensor ever exists whole. The
@@ -31,13 +31,13 @@ class LossSettings:
     objective: Literal["ce", "kl", "ce+kl"] = "ce"
     """ce: against the data tokens; kl: KL(target || drafter) of the target's own distribution; ce+kl: both."""
     loss_weights: Literal["decay", "dpace"] = "dpace"
-    """decay: w_k = exp(-(k-1)/gamma); dpace: from each step's per-slot CE (DFLASH.md section 4b)."""
+    """decay: w_k = exp(-(k-1)/gamma); dpace: from each step's per-slot CE (docs/method.md section 4b)."""
     alpha: float = 0.5
     """D-PACE smoothing, s_k = (1 - alpha) * q_k + alpha."""
     temperature: float = 1.0
     """Distillation temperature tau: KL of softmax(logits / tau), scaled by tau**2."""
     selector_alpha: float = 1.0
-    """DFlash2: weight of the candidate selector's K-way CE in the total loss (DFLASH.md section 10)."""
+    """DFlash2: weight of the candidate selector's K-way CE in the total loss (docs/method.md section 10)."""
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
@@ -160,7 +160,7 @@ def _selector_chunk(
     predecessor: Tensor, successor: Tensor, projection: Tensor, alpha: float, d_logits: Tensor,
     sel_grads: list[Tensor],
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """The candidate selector's term over one chunk of rows, teacher-forced (DFLASH.md section 10).
+    """The candidate selector's term over one chunk of rows, teacher-forced (docs/method.md section 10).
 
     The candidates are the unary top K (`candidates [R, K]`, no gradient) with the label put in place of the K-th
     where absent; `score = u[c] + (P[prev] * (W h)) . S[c]`. Adds alpha * dCE/du into `d_logits` (before the rows'

@@ -1,4 +1,4 @@
-"""Draft quality metrics (DFLASH.md section 5) as one torchmetrics Metric.
+"""Draft quality metrics (docs/method.md section 5) as one torchmetrics Metric.
 
 Top-k hits are counted from the head's top-k token ids, never through a `[tokens, vocab]` one-hot.
 """

@@ -1,4 +1,4 @@
-"""The DFlash drafter (DFLASH.md section 2): fc + hidden_norm over target features, Qwen3-style layers.
+"""The DFlash drafter (docs/method.md section 2): fc + hidden_norm over target features, Qwen3-style layers.
 
 Every layer injects the context as extra keys/values made with its own k/v projections; queries come
 from block tokens only. The input embedding and output head are the target's, frozen, held as
@@ -167,7 +167,7 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     """Pre-norm Qwen3 layer; the context skips input_layernorm and the MLP. DFlash2 wraps each sublayer of the block
-    tokens in a `BlockConv` (DFLASH.md section 10)."""
+    tokens in a `BlockConv` (docs/method.md section 10)."""
 
     def __init__(self, config: DrafterConfig) -> None:
         super().__init__()
@@ -214,7 +214,7 @@ class DraftOutput:
 
 
 class DFlashDrafter(nn.Module):
-    """A DFlash drafter; its state dict holds exactly the exported weights (DFLASH.md section 7)."""
+    """A DFlash drafter; its state dict holds exactly the exported weights (docs/method.md section 7)."""
 
     def __init__(self, config: DrafterConfig) -> None:
         super().__init__()

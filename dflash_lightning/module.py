@@ -117,9 +117,9 @@ class DFlashModule(LightningModule):
                 blocks, at least one).
             objective: `ce`: cross-entropy against the data tokens; `kl`: KL(target || drafter), distilling the
                 target's own distribution through the same frozen head (needs the whole target forward);
-                `ce+kl`: their sum (DFLASH.md section 4c).
+                `ce+kl`: their sum (docs/method.md section 4c).
             loss_weights: Slot weights: `decay`, exp(-(k-1)/gamma); `dpace`, from each step's per-slot CE, how
-                much the expected accepted length depends on each slot (DFLASH.md section 4b).
+                much the expected accepted length depends on each slot (docs/method.md section 4b).
             dpace_alpha: D-PACE smoothing alpha in [0, 1]: s_k = (1 - alpha) * q_k + alpha.
             temperature: Distillation temperature: KL of the softmaxes of logits / temperature, times
                 temperature**2.

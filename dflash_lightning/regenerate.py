@@ -1,4 +1,4 @@
-"""Rewrite the assistant turns of conversation files with the target itself (DFLASH.md section 4), so that
+"""Rewrite the assistant turns of conversation files with the target itself (docs/method.md section 4), so that
 the drafter learns what the target says; writes resumable JSONL in the `messages` format, in source order.
 
 Backends: in-process Hugging Face `generate` ("hf", the default) or an OpenAI-compatible server ("openai": vLLM,

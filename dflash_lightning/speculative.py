@@ -1,4 +1,4 @@
-"""Speculative decoding with a DFlash drafter, greedy or sampled (DFLASH.md sections 6, 6b), and the target alone.
+"""Speculative decoding with a DFlash drafter, greedy or sampled (docs/method.md sections 6, 6b), and the target alone.
 
 The drafter keeps the K/V of every context vector per layer and projects each one once; a block's own
 K/V are never cached. The target keeps a Hugging Face KV cache that is cropped to the verified length.
@@ -41,7 +41,7 @@ class Generation:
 
     @property
     def step_tokens(self) -> list[int]:
-        """Tokens each decode step counts toward tau (DFLASH.md section 6); see `counted_tokens`."""
+        """Tokens each decode step counts toward tau (docs/method.md section 6); see `counted_tokens`."""
         return counted_tokens([a + 1 for a in self.accepted_lengths], len(self.tokens) - 1)
 
 
@@ -62,7 +62,7 @@ class DraftContext:
     """A drafter's cached context K/V per layer, at the true positions of the tokens they come from.
 
     A sliding layer of window W keeps only the last W - 1 context positions: the next block starts right after
-    them, and its slot 0 sees no further back (DFLASH.md 3b), so older K/V are never seen again. A layer's kept
+    them, and its slot 0 sees no further back (docs/method.md 3b), so older K/V are never seen again. A layer's kept
     K/V are thus always the positions just before the block's `start`, as in the exported modelling file.
     """
 
@@ -138,7 +138,7 @@ class SpeculativeDecoder:
 
     def _target(self, ids: Tensor, cache, logits_to_keep: int = 0) -> tuple[Tensor, Tensor]:
         """Target logits `[n, V]` (last `logits_to_keep` only if set) of new tokens `[n]` after the cached ones,
-        and their context features `[n, K*H]` (`hidden_states[j + 1]`, DFLASH.md section 1)."""
+        and their context features `[n, K*H]` (`hidden_states[j + 1]`, docs/method.md section 1)."""
         out = self.target(input_ids=ids[None], **{self.cache_arg: cache}, use_cache=True,
                           output_hidden_states=True, logits_to_keep=logits_to_keep)
         return out.logits[0], torch.cat([out.hidden_states[j + 1][0] for j in self.layer_ids], -1)
@@ -150,7 +150,7 @@ class SpeculativeDecoder:
         """Draft tokens of slots 1..B-1 for the block `[x, MASK * (B-1)]` at `start`, and their draft distributions
         `[B-1, V]` where they are sampled (None: point masses).  # [B-1]
 
-        DFlash proposes each slot's argmax (DFLASH.md 6b); DFlash2's selector re-ranks each slot's top K slot by slot,
+        DFlash proposes each slot's argmax (method.md 6b); DFlash2's selector re-ranks each slot's top K slot by slot,
         greedy or sampled from softmax(score / T) (section 10).
         """
         block = torch.full((self.block_size,), self.mask_token_id, dtype=torch.long, device=x.device)

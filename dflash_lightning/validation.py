@@ -100,7 +100,7 @@ class SpeculativeValidation(Callback):
         """What a run logs: greedy `val/tau_served` and mismatches; sampled, names that carry the temperature."""
         t = self.sampling["temperature"]
         if t == 0:
-            # tau pooled over all decode steps, and the mean of per-prompt tau (DFLASH.md section 6)
+            # tau pooled over all decode steps, and the mean of per-prompt tau (docs/method.md section 6)
             return {"val/tau_served": report["tau_pooled"], "val/tau_served_prompt_mean": report["tau_prompt_mean"],
                     "val/speculative_mismatches": report["mismatches"]}
         return {f"val/tau_served_t{t:g}": report["tau_pooled"],

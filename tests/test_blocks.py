@@ -1,4 +1,4 @@
-"""Anchors, labels, slot weights and the block mask against plain references built from DFLASH.md."""
+"""Anchors, labels, slot weights and the block mask against plain references built from docs/method.md."""
 
 from __future__ import annotations
 
@@ -158,7 +158,7 @@ def test_block_inputs_labels_and_weights():
 
 
 def reference_dpace(ce: list[list[float]], supervised: list[list[bool]], alpha: float) -> list[list[float]]:
-    """DFLASH.md section 4b slot by slot: w_k = m_k * sum_{j >= k} m_j * prod_{i=1..j} s_i."""
+    """docs/method.md section 4b slot by slot: w_k = m_k * sum_{j >= k} m_j * prod_{i=1..j} s_i."""
     out = []
     for ce_row, m in zip(ce, supervised, strict=True):
         s = [(1 - alpha) * math.exp(-c) + alpha if m[i] else 1.0 for i, c in enumerate(ce_row)]

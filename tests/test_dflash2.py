@@ -1,4 +1,4 @@
-"""DFlash2's convolutions and candidate selector against plain references written from DFLASH.md section 10."""
+"""DFlash2's convolutions and candidate selector against plain references written from docs/method.md section 10."""
 
 from __future__ import annotations
 
@@ -90,7 +90,7 @@ def test_variant_settings_are_checked():
 
 
 def dense_selector_loss(hidden, head, labels, weights, prev, selector: CandidateSelector, alpha: float):
-    """CE + alpha * selector CE on whole `[N, V]` logits with autograd, written from DFLASH.md section 10."""
+    """CE + alpha * selector CE on whole `[N, V]` logits with autograd, written from docs/method.md section 10."""
     logits = hidden @ head.T  # [N, V]
     ce = F.cross_entropy(logits, labels, reduction="none")
     cand = logits.detach().topk(selector.top_k, -1).indices

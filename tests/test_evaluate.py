@@ -163,7 +163,7 @@ def plain_count(trace) -> tuple[list[int], list[int]]:
 
 
 def test_tau_counts_only_tokens_up_to_the_stop_token_and_the_length_limit():
-    """DFLASH.md section 6: the last step of a sequence counts nothing after the stop token or past the limit."""
+    """docs/method.md section 6: the last step of a sequence counts nothing after the stop token or past the limit."""
     records = []
     for trace in TRACES:
         output, counts = plain_count(trace)

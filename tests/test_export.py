@@ -60,7 +60,7 @@ def folder(checkpoint, tmp_path_factory) -> Path:
 
 
 def published_weight_names(layers: int) -> set[str]:
-    """The weight names of DFLASH.md section 7, written out independently of the model code."""
+    """The weight names of docs/method.md section 7, written out independently of the model code."""
     names = {"fc.weight", "hidden_norm.weight", "norm.weight"}
     for i in range(layers):
         names |= {f"layers.{i}.input_layernorm.weight", f"layers.{i}.post_attention_layernorm.weight"}
@@ -199,7 +199,7 @@ def test_export_cli(checkpoint, tmp_path, capsys):
 
 # -- train/serve parity -------------------------------------------------------------------------------------------
 
-# DFlash2 (DFLASH.md section 10) at the tiny target's shape: 3 taps, groups of 16 channels, K = 4 of 60 tokens.
+# DFlash2 (docs/method.md section 10) at the tiny target's shape: 3 taps, groups of 16 channels, K = 4 of 60 tokens.
 DFLASH2 = {"variant": "dflash2", "conv_kernel_size": 3, "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 4}
 
 
@@ -224,7 +224,7 @@ def parity_drafter(target: Path, dtype: torch.dtype, **attention) -> DFlashDraft
 TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=0.02, atol=0.02)}
 
 
-# Sliding layers (DFLASH.md 3b) with windows shorter than the documents: causal by default, or bidirectional.
+# Sliding layers (docs/method.md 3b) with windows shorter than the documents: causal by default, or bidirectional.
 SLIDING = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 6}
 SLIDING_BIDIR = {"layer_types": ["sliding_attention", "sliding_attention"], "sliding_window": 4, "is_causal": False}
 
@@ -366,7 +366,7 @@ def test_folder_whose_window_transformers_would_drop_is_refused(tiny_target, tmp
 
 
 # -- what the serving engines read ----------------------------------------------------------------------------------
-# Written from vLLM's and SGLang's documented conventions for DFlash drafters (DFLASH.md section 7), not their code:
+# Written from vLLM's and SGLang's documented conventions for DFlash drafters (docs/method.md 7), not their code:
 # both read config.json through transformers, the weights by name from the safetensors header; vLLM's block is
 # 1 + num_speculative_tokens, SGLang's is block_size (--speculative-dflash-block-size); SGLang builds the drafter in
 # config.json's dtype under --dtype auto (a float32 or missing one: float16), and both cast to an explicit --dtype.

@@ -1,4 +1,4 @@
-"""DFlash2 folders (DFLASH.md section 10): the config and key set the engines' and the reference's loaders read,
+"""DFlash2 folders (docs/method.md section 10): the config and key set the engines' and the reference's loaders read,
 the round trip through import_folder, refusals of inconsistent folders, and the reference DFlash2DraftModel."""
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ def rope(x, pos, theta=10000.0):
 
 
 def reference_block(drafter: DFlashDrafter, doc_features, doc_tokens, p: int) -> torch.Tensor:
-    """One block, unpacked: its document's features before p, dense attention, written from DFLASH.md."""
+    """One block, unpacked: its document's features before p, dense attention, written from docs/method.md."""
     cfg, sd = drafter.config, drafter.state_dict()
     B, H, nh, nkv, d = cfg.block_size, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     c = rms(doc_features[:p] @ sd["fc.weight"].T, sd["hidden_norm.weight"])  # [p, H]
@@ -136,7 +136,7 @@ def test_chunked_loss_and_grad_match_plain_cross_entropy():
 
 
 def dense_objective(hidden, head, labels, weights, teacher_hidden, settings: LossSettings, block: int):
-    """The objective of DFLASH.md sections 4-4c on whole `[N, V]` logits, with autograd's own gradient."""
+    """The objective of docs/method.md sections 4-4c on whole `[N, V]` logits, with autograd's own gradient."""
     logits = hidden @ head.T
     ce = F.cross_entropy(logits, labels, reduction="none")
     if settings.loss_weights == "dpace":  # section 4b, written out per block

@@ -210,7 +210,7 @@ def test_decoder_drafts_are_the_training_forwards_step_by_step(target, attention
         assert_drafts_are_the_training_forwards(decoder, ids, out.tokens)
 
 
-# -- speculative sampling (DFLASH.md section 6b) ---------------------------------------------------------------------
+# -- speculative sampling (docs/method.md section 6b) ------------------------------------------------------------------
 
 def chi_square_p(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> float:
     """p-value of observed `counts` against exact cell probabilities; cells expected below `min_expected` pooled."""
@@ -295,7 +295,7 @@ def test_speculative_sampling_is_lossless(drafting):
     """The decoder's sequences at temperature 1 follow the target's exact sequence distribution (chi-square over
     all V^L sequences, rare ones pooled); sampling the residual from P instead of P without d_k fails it
     (p < 1e-40 at these sizes, checked once by breaking the rule). `table`: drafts from a fixed table, likely and
-    unlikely ones; `sliding`: a sliding-window drafter's own drafts (DFLASH.md 3b), through the whole real path;
+    unlikely ones; `sliding`: a sliding-window drafter's own drafts (docs/method.md 3b), through the whole real path;
     `dflash2`: a DFlash2 drafter's selector samples its drafts from q = softmax(score / T) over K candidates and
     verification accepts with min(1, P/q) (section 10; a residual of P without d_k instead of max(0, P - q) fails it,
     checked once). Sampling is lossless whatever the drafts, so the drafters' own drafts are also held to the

@@ -1,4 +1,4 @@
-"""The feature cache's format and reader: the target's context features (DFLASH.md section 1) stored per sample
+"""The feature cache's format and reader: the target's context features (docs/method.md section 1) stored per sample
 in sharded safetensors with a manifest of everything they depend on, read back by `DFlashDataModule`.
 
 The writer is `feature_cache_writer.py` (`python -m dflash_lightning cache`).
@@ -8,7 +8,7 @@ Layout of `out/`:
     {split}-{i:05d}.safetensors   samples [first, end) of a split, laid end to end:
         features   [tokens, K*H] bf16, or float8_e4m3fn with `scales` [tokens] fp32 (row absmax / 448)
         input_ids  [tokens] int32;  loss_mask [tokens] bool;  starts [samples + 1] int64 (offsets in the shard)
-        final_hidden  [tokens, H] bf16, the target's final normed hidden state (distillation's teacher, DFLASH.md
+        final_hidden  [tokens, H] bf16, the target's final normed hidden state (distillation's teacher, docs/method.md
             section 4c); only in a cache whose manifest has `final_hidden: true`
         crc32      [samples] int64: each sample's stored bytes, checked when a reader first serves the sample
     progress-rank{r}.json     shards a rank finished while the run is in progress (merged at the end)

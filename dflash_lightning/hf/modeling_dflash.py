@@ -3,7 +3,7 @@
 Self-contained on purpose (torch and transformers only): it is copied next to `config.json` and
 `model.safetensors` by `dflash_lightning.export`. Block queries attend over [context K/V; block K/V]: the
 caller passes only the context that the block may see; sliding layers mask what their window hides. The
-verification rule (greedy, and speculative sampling of DFLASH.md section 6b) lives here too;
+verification rule (greedy, and speculative sampling of docs/method.md section 6b) lives here too;
 dflash_lightning's own decoder imports it, so served and evaluated decoding share one implementation.
 """
 
@@ -63,7 +63,7 @@ def verify_drafts(
     draft: torch.Tensor, logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
     generator: torch.Generator | None = None, draft_probs: torch.Tensor | None = None,
 ) -> tuple[int, torch.Tensor, float]:
-    """One verification (DFLASH.md sections 6, 6b and 10): accepted drafts a, the token emitted after them, and the
+    """One verification (docs/method.md sections 6, 6b and 10): accepted drafts a, the token emitted after them, and the
     expected accepted count `sum_k prod_{i<=k} r_i` given the drafts.
 
     `draft` `[n-1]` are the proposals of slots 1..n-1, `logits` `[n, V]` the target's after each of the n verified
@@ -110,7 +110,7 @@ class DFlashAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=bias)
         self.q_norm = Qwen3RMSNorm(d, eps=config.rms_norm_eps)
         self.k_norm = Qwen3RMSNorm(d, eps=config.rms_norm_eps)
-        # DFLASH.md 3b: a sliding layer is causal inside the block unless config.json sets is_causal.
+        # docs/method.md 3b: a sliding layer is causal inside the block unless config.json sets is_causal.
         layer_types = getattr(config, "layer_types", None)
         sliding = bool(layer_types) and layer_types[layer_idx] == "sliding_attention"
         is_causal = getattr(config, "is_causal", None)
@@ -157,7 +157,7 @@ class DFlashAttention(nn.Module):
 
 
 class BlockConv(nn.Module):
-    """DFlash2's convolution around one sublayer (DFLASH.md section 10), over the tokens of ONE block `[b, q, H]`:
+    """DFlash2's convolution around one sublayer (docs/method.md section 10), over the tokens of ONE block `[b, q, H]`:
     `conv(x, d, b)[t, c] = sum_{tau <= t} (b[tau, c] + d[t, tau, G(c)]) * x[t - tau, c]`, G(c) = c // g."""
 
     def __init__(self, config: Qwen3Config) -> None:
@@ -346,8 +346,8 @@ class DFlashDraftModel(PreTrainedModel):
 
 
 class DFlash2DraftModel(DFlashDraftModel):
-    """DFlash2 (DFLASH.md section 10): the DFlash drafter plus a BlockConv around each sublayer of every layer and a
-    CandidateSelector that picks each slot's draft among the unary top K."""
+    """DFlash2 (docs/method.md section 10): the DFlash drafter plus a BlockConv around each sublayer of every layer
+    and a CandidateSelector that picks each slot's draft among the unary top K."""
 
     _no_split_modules = ["DFlashDecoderLayer"]
 

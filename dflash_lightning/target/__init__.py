@@ -1,4 +1,4 @@
-"""The frozen target: loading it, its context features (DFLASH.md section 1), its placements, and the callback.
+"""The frozen target: loading it, its context features (docs/method.md section 1), its placements, and the callback.
 
 loading.py reads its files, features.py runs it, separate.py and sharded.py place it, callback.py serves the Trainer.
 """

@@ -1,4 +1,4 @@
-"""Target feature extraction (DFLASH.md sections 1, 4c): the frozen target that returns context features.
+"""Target feature extraction (docs/method.md sections 1, 4c): the frozen target that returns context features.
 
 Only the target's first `max(layer_ids) + 1` decoder layers are built and run, unless distillation needs its
 final normed hidden state (`final_hidden`): then all layers and the final norm. No LM head is built.
