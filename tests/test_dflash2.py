@@ -191,3 +191,33 @@ def test_dflash2_training_step_through_the_module_logs_selector_metrics():
     values = metrics.compute()
     assert 0 < float(values["selector/recall"]) <= 1 and float(values["selector/tau"]) >= 1
     assert float(out.selector_loss) > 0
+
+
+@pytest.mark.parametrize("settings", [LossSettings("kl", "dpace", alpha=0.3, temperature=0.5, selector_alpha=0.7),
+                                      LossSettings("ce+kl", "dpace")])
+def test_selector_term_beside_distillation_and_dpace_matches_the_dense_reference(settings):
+    """With KL (or CE + KL) and D-PACE the selector adds alpha * its CE, weighted by the unary D-PACE weights."""
+    from test_model import dense_objective
+
+    torch.manual_seed(2)
+    cfg = dflash2_config(hidden_size=16, vocab_size=50, selector_top_k=6, selector_rank=5)
+    selector = CandidateSelector(cfg).double()
+    for p in selector.parameters():
+        p.data = torch.randn_like(p) * 0.5
+    block, n = cfg.block_size, 9 * cfg.block_size
+    hidden = torch.randn(n, 16, dtype=torch.float64, requires_grad=True)
+    head = torch.randn(50, 16, dtype=torch.float64)
+    labels, prev = torch.randint(0, 50, (n,)), torch.randint(0, 50, (n,))
+    weights = torch.rand(n, dtype=torch.float64) * (torch.rand(n) > 0.3)
+    weights.view(-1, block)[:, 0] = 0
+    final, rows = torch.randn(40, 16, dtype=torch.float64), torch.randint(0, 40, (n,))
+    total, _, used, _, _ = chunked_head_loss(hidden, head, labels, weights, 2 * block, 0, block, settings, final,
+                                             rows, selector=(selector, prev))
+    params = [hidden, *selector.parameters()]
+    grads = torch.autograd.grad(total / used.sum(), params)
+    unary, _, w = dense_objective(hidden, head, labels, weights, final[rows], settings, block)
+    _, sel, _ = dense_selector_loss(hidden, head, labels, w.detach(), prev, selector, 0.0)
+    ref = unary + settings.selector_alpha * sel
+    torch.testing.assert_close(total / used.sum(), ref)
+    for g, r in zip(grads, torch.autograd.grad(ref, params), strict=True):
+        torch.testing.assert_close(g, r)
