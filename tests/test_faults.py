@@ -114,7 +114,8 @@ def fault_config(assets, folder: Path, max_steps: int = 4, callbacks: list[dict]
     config["data"].update(train_files=[str(assets["train"])], val_files=[str(assets["val"])], token_budget=256,
                           max_documents=8)
     config["model"].update(num_anchors=16, metrics_every=1)
-    config["model"]["drafter"].update(num_layers=1, block_size=8)
+    # a DFlash drafter: the small disk below is sized to its checkpoint (DFlash2's selector codebooks are larger)
+    config["model"]["drafter"].update(num_layers=1, block_size=8, variant="dflash")
     config["trainer"].update(default_root_dir=str(folder), max_steps=max_steps, val_check_interval=1000,
                              limit_val_batches=1, log_every_n_steps=1, logger=False, enable_progress_bar=False)
     config["trainer"]["callbacks"] = [c for c in config["trainer"]["callbacks"] if "ModelCheckpoint" in c["class_path"]]

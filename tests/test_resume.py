@@ -85,14 +85,14 @@ def test_changes_to_what_is_trained_are_refused_before_any_step(resume_config, s
     """Shape, loss and anchor settings typed on resume are neither replaced by the checkpoint's nor applied."""
     changed = ["--model.drafter.num_layers=2", "--model.drafter.gamma=3.0", "--model.num_anchors=8",
                "--data.max_documents=4", "--model.objective=kl", "--model.loss_weights=decay",
-               "--model.drafter.variant=dflash2"]
+               "--model.drafter.variant=dflash"]
     with pytest.raises(ResumeError) as refused:
         fit(resume_config, tmp_path / "a", f"--ckpt_path={step3}", *changed)
     message = str(refused.value)
     for line in ("drafter.num_layers: 1 -> 2", "drafter.gamma: None -> 3.0", "model.num_anchors: 16 -> 8",
                  "data.max_documents: 8 -> 4", "drafter.target_layer_ids: [2] -> [1, 1]",
                  "model.objective: 'ce' -> 'kl'", "model.loss_weights: 'dpace' -> 'decay'",
-                 "drafter.variant: 'dflash' -> 'dflash2'"):
+                 "drafter.variant: 'dflash2' -> 'dflash'"):
         assert line in message, message
     assert str(step3) in message and "size mismatch" not in message
     assert not (tmp_path / "a" / "ckpt").exists()  # no step ran
