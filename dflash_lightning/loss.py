@@ -90,7 +90,12 @@ class _HeadLoss(torch.autograd.Function):
         for start in range(0, n, rows):
             end = min(start + rows, n)
             h, y = hidden[start:end].to(head.dtype), labels[start:end, None]
-            logits = F.linear(h, head).to(acc)  # [rows, V]
+            raw = F.linear(h, head)  # [rows, V] in the compute dtype
+            ranked = max(topk, selector_k if selecting else 0)  # one topk serves the metrics and the candidates
+            # ranked on the compute-dtype logits: a 16-bit radix select makes half the passes of an fp32 one
+            top_ids = raw.topk(ranked, dim=-1).indices if ranked else None
+            logits = raw.to(acc)
+            del raw
             lse = torch.logsumexp(logits, dim=-1, keepdim=True)
             ce = (lse - logits.gather(1, y))[:, 0]  # [rows]
             if settings.loss_weights == "dpace":
@@ -100,8 +105,6 @@ class _HeadLoss(torch.autograd.Function):
                 w = weights[start:end].to(acc)
             used[start:end] = w
             ce_total = ce_total + (ce * w).sum()
-            ranked = max(topk, selector_k if selecting else 0)  # one topk serves the metrics and the candidates
-            top_ids = logits.topk(ranked, dim=-1).indices if ranked else None
             if topk:
                 top.append(top_ids[:, :topk])
             probs = torch.exp(logits - lse)
