@@ -245,6 +245,19 @@ def test_last_is_the_newest_step_after_two_preemptions_and_resumes(assets, tmp_p
         assert (folder / "last.ckpt").is_symlink() and (folder / "last.ckpt").resolve().name == "step=13.ckpt"
 
 
+def test_a_sigusr1_under_slurm_without_scontrol_still_exits_138(assets, tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    monkeypatch.setenv("SLURM_JOB_NAME", "train")
+    monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))  # no scontrol binary, as in many containers
+    config = fault_config(assets, tmp_path, max_steps=6, callbacks=[
+        {"class_path": "test_faults.SendSignal", "init_args": {"signum": int(signal.SIGUSR1), "at_step": 2}}])
+    with pytest.raises(Preempted) as stop:
+        fit(config)
+    assert stop.value.code == 138
+    assert "could not requeue SLURM job 42: scontrol not runnable" in caplog.text
+
+
 def _agree(rank: int, port: int, out: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
