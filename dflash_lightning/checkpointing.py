@@ -178,10 +178,14 @@ def checkpoint_files(folder: str | Path) -> list[Path]:
 
 def check_writable(folder: str | Path) -> None:
     """Refuse a checkpoint folder that cannot be written, before the first step rather than at the first save."""
-    folder = Path(folder)
+    folder = Path(folder).absolute()
+    existing = folder  # the folder is made at the first save; until then its nearest existing parent is probed
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / f".write-probe.{os.getpid()}{PARTIAL_SUFFIX}"
+        if not existing.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, f"{existing} is a file")
+        probe = existing / f".write-probe.{os.getpid()}{PARTIAL_SUFFIX}"
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as err:
