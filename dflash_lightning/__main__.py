@@ -1,12 +1,38 @@
-"""`python -m dflash_lightning ...`."""
+"""`python -m dflash_lightning ...`: the project's errors in one line (`DFLASH_TRACEBACK=1`: the full traceback).
 
+Exit status: 2 for a bad setting or input (ConfigError, DataError, FeatureCacheError, other ValueErrors of the
+argument checks), 1 for a run that failed (a damaged or unwritable checkpoint, non-finite training, a server).
+"""
+
+import logging
+import os
 import sys
 
-from dflash_lightning.checkpointing import CheckpointError
-from dflash_lightning.cli import cli_main
+import torch
 
-if __name__ == "__main__":
+if not torch.cuda.is_available():  # torchao (imported by transformers) logs CUDA kernels it cannot load on a CPU
+    logging.getLogger("torchao").setLevel(logging.ERROR)
+    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
+
+from dflash_lightning.checkpointing import CheckpointError  # noqa: E402
+from dflash_lightning.cli import cli_main  # noqa: E402
+from dflash_lightning.module import NonFiniteError  # noqa: E402
+from dflash_lightning.regenerate_openai import ServerError  # noqa: E402
+
+TRACEBACK_ENV = "DFLASH_TRACEBACK"
+FAILED_RUN = (CheckpointError, NonFiniteError, ServerError)  # exit 1; any other ValueError is a bad setting: 2
+
+
+def main() -> None:
+    """`cli_main()`, with the project's errors as one `error: ...` line and an exit status."""
     try:
         cli_main()
-    except CheckpointError as err:  # a damaged or refused checkpoint: its path and what is wrong, one line
-        sys.exit(f"error: {err}")
+    except (*FAILED_RUN, ValueError, FileNotFoundError) as err:  # a missing file named in the setting: 2
+        if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
+            raise
+        print(f"error: {err} ({TRACEBACK_ENV}=1: the full traceback)", file=sys.stderr)
+        sys.exit(1 if isinstance(err, FAILED_RUN) else 2)
+
+
+if __name__ == "__main__":
+    main()

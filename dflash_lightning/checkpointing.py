@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.rank_zero import rank_zero_only
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import Tensor
 
 from dflash_lightning.atomic import write_atomic
@@ -174,8 +176,26 @@ def checkpoint_files(folder: str | Path) -> list[Path]:
     return list(seen.values())
 
 
-def _remove_partials(folder: Path) -> None:
+def check_writable(folder: str | Path) -> None:
+    """Refuse a checkpoint folder that cannot be written, before the first step rather than at the first save."""
+    folder = Path(folder).absolute()
+    existing = folder  # the folder is made at the first save; until then its nearest existing parent is probed
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    try:
+        if not existing.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, f"{existing} is a file")
+        probe = existing / f".write-probe.{os.getpid()}{PARTIAL_SUFFIX}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise CheckpointError(f"{folder}: the checkpoint folder is not writable ({err.strerror or err}); "
+                              "give a writable ModelCheckpoint dirpath") from err
+
+
+def remove_partials(folder: str | Path) -> None:
     """Unfinished writes of a killed run: never readable as checkpoints, so they only take space."""
+    folder = Path(folder)
     for partial in folder.glob(f".*{PARTIAL_SUFFIX}"):
         log.warning(f"removing {partial}: a checkpoint write that did not finish ({_size(partial.stat().st_size)})")
         partial.unlink(missing_ok=True)
@@ -186,7 +206,7 @@ def newest_complete_checkpoint(folder: str | Path) -> Path | None:
     are renamed `*.damaged` on rank 0 and named in a warning, so the run says what it fell back from."""
     folder = Path(folder)
     if rank_zero_only.rank == 0 and folder.is_dir():
-        _remove_partials(folder)
+        remove_partials(folder)
     found: list[tuple[int, float, Path]] = []
     damaged: list[tuple[Path, str]] = []
     for path in checkpoint_files(folder):
@@ -207,6 +227,40 @@ def newest_complete_checkpoint(folder: str | Path) -> Path | None:
     return best[2] if best else None
 
 
+class RunCheckpoint(ModelCheckpoint):
+    """`ModelCheckpoint` whose `last` is always the newest complete checkpoint, under one name.
+
+    Lightning's `save_last: link` links `last.ckpt` to the newest step file *this process* wrote, or writes a full
+    `last-vN.ckpt` after a resume (the link target is not restored and the old `last.ckpt` is taken for another
+    run's). Here a `last` save first writes the step file of the current step when none is written yet (so a run
+    ending or preempted between periodic saves keeps the step under the keep-K rotation) and then points `last`
+    at it; `last` is replaced in place, never versioned. The CLI gives every plain `ModelCheckpoint` this class.
+    """
+
+    def _save_last_checkpoint(self, trainer: Trainer, monitor_candidates: dict[str, Tensor]) -> None:
+        if not self.save_last:
+            return
+        if (self.save_last == "link" and self.save_top_k != 0 and self._last_global_step_saved != trainer.global_step
+                and (self.monitor is None or self.monitor in monitor_candidates)):
+            self._save_topk_checkpoint(trainer, monitor_candidates)
+        filepath = self.format_checkpoint_name(monitor_candidates, self.CHECKPOINT_NAME_LAST)
+        previous, self.last_model_path = self.last_model_path, filepath
+        fresh = (self._last_global_step_saved == trainer.global_step and bool(self._last_checkpoint_saved)
+                 and self._last_checkpoint_saved != filepath)
+        if self.save_last == "link" and self.save_top_k != 0 and fresh:
+            self._link_checkpoint(trainer, self._last_checkpoint_saved, filepath)
+        else:  # no step file of this step (not in the top K): the whole state under the last name, atomically
+            self._save_checkpoint(trainer, filepath)
+        if previous and previous != filepath and self._should_remove_checkpoint(trainer, previous, filepath):
+            self._remove_checkpoint(trainer, previous)  # a `last-vN.ckpt` of an older version of this project
+
+    def on_train_end(self, trainer: Trainer, pl_module: Any) -> None:
+        # Lightning saves `last` at the end only when nothing was saved in this process; a run whose last step is
+        # not a periodic one would leave `last` at an older step.
+        if self.save_last and not self._should_skip_saving_checkpoint(trainer) and trainer.global_step:
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+
 def move_aside(folder: str | Path) -> Path | None:
     """Moves a folder's checkpoints into `previous-<time>/` (rank 0), so that a fresh run deletes none of them."""
     folder = Path(folder)
@@ -222,6 +276,7 @@ def move_aside(folder: str | Path) -> Path | None:
 
 
 __all__ = [
-    "AtomicCheckpointIO", "CheckpointError", "checkpoint_bytes", "checkpoint_files", "load_checkpoint",
-    "move_aside", "newest_complete_checkpoint", "nonfinite_weights",
+    "AtomicCheckpointIO", "CheckpointError", "RunCheckpoint", "check_writable", "checkpoint_bytes",
+    "checkpoint_files", "load_checkpoint", "move_aside", "newest_complete_checkpoint", "nonfinite_weights",
+    "remove_partials",
 ]

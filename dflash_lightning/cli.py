@@ -20,7 +20,8 @@ def cli_main(args: list[str] | None = None, run: bool = True) -> DFlashCLI | Non
     if argv and argv[0] in TOOLS:
         TOOLS[argv[0]].main(argv[1:])
         return None
-    return fit.main(argv, run=run)
+    # None from the shell: LightningCLI reads sys.argv itself (given both, it warns that args and argv are mixed)
+    return fit.main(args, run=run)
 
 
 __all__ = ["DFlashCLI", "cli_main"]

@@ -8,6 +8,7 @@ report.json and report.png.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -223,6 +224,8 @@ def parse_temperatures(value: str | float | Sequence[float]) -> list[float]:
             t = float(item)
         except (TypeError, ValueError):
             raise ValueError(f"temperature: '{item}' is not a number (give e.g. 0,0.6,1)") from None
+        if math.isinf(t):  # softmax(logits / inf) is uniform noise, not a sampling setting anyone means
+            raise ValueError(f"temperature: '{item}' is not finite (give e.g. 0,0.6,1)")
         check_sampling(t)
         temperatures.append(t)
     if not temperatures or len(set(temperatures)) != len(temperatures):

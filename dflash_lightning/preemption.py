@@ -136,7 +136,11 @@ class Preemption(Callback):
 def _slurm_requeue() -> None:
     job = os.environ.get("SLURM_ARRAY_JOB_ID")
     job = f"{job}_{os.environ['SLURM_ARRAY_TASK_ID']}" if job else os.environ["SLURM_JOB_ID"]
-    result = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
+    try:
+        result = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
+    except OSError as err:  # no scontrol in the container: the retry exit status still asks for a rerun
+        log.error(f"could not requeue SLURM job {job}: scontrol not runnable ({err.strerror or err})")
+        return
     if result.returncode == 0:
         log.warning(f"requeued SLURM job {job}")
     else:

@@ -20,9 +20,12 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 from dflash_lightning.checkpointing import (
     AtomicCheckpointIO,
+    RunCheckpoint,
+    check_writable,
     load_checkpoint,
     move_aside,
     newest_complete_checkpoint,
+    remove_partials,
 )
 from dflash_lightning.data import DFlashDataModule
 from dflash_lightning.image_logging import ImageLogging
@@ -76,6 +79,8 @@ class DFlashCLI(LightningCLI):
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO and not self._names_checkpoint_io():
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
         for cb in trainer.checkpoint_callbacks:
+            if type(cb) is ModelCheckpoint:  # the configs' plain class: `last` kept the newest (see RunCheckpoint)
+                cb.__class__ = RunCheckpoint
             if isinstance(cb, ModelCheckpoint) and cb.dirpath is None:  # version_N/ would change on every start
                 cb.dirpath = str(Path(trainer.default_root_dir, "checkpoints").resolve())
         for logger in trainer.loggers:
@@ -95,6 +100,10 @@ class DFlashCLI(LightningCLI):
         preemption = next((c for c in self.trainer.callbacks if isinstance(c, Preemption)), None)
         resume = preemption.resume if preemption is not None else "auto"
         folders = [cb.dirpath for cb in self.trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)]
+        if self.trainer.is_global_zero:
+            for folder in folders:  # every start, --ckpt_path too: a killed save's leftover can be 12 GB
+                check_writable(folder)
+                remove_partials(folder)
         if ckpt_path is None and folders and resume == "never":
             move_aside(folders[0])
         elif ckpt_path is None and folders:
