@@ -5,6 +5,7 @@ and the choice of the newest complete checkpoint of a run's folder for the autom
 from __future__ import annotations
 
 import errno
+import itertools
 import logging
 import os
 import pickle
@@ -267,8 +268,14 @@ def move_aside(folder: str | Path) -> Path | None:
     files = [p for p in folder.glob("*.ckpt") if not p.name.startswith(".")] if folder.is_dir() else []
     if not files or rank_zero_only.rank != 0:
         return None
-    aside = folder / time.strftime("previous-%Y%m%d-%H%M%S")
-    aside.mkdir()
+    stamp = time.strftime("previous-%Y%m%d-%H%M%S")
+    for n in itertools.count():  # two fresh starts within one second must not collide
+        aside = folder / (stamp if n == 0 else f"{stamp}-{n}")
+        try:
+            aside.mkdir()
+            break
+        except FileExistsError:
+            continue
     for path in files:
         os.replace(path, aside / path.name)  # a relative last.ckpt link keeps pointing at its moved target
     log.warning(f"starting fresh (resume: never): moved {len(files)} checkpoint(s) of {folder} to {aside}")

@@ -562,3 +562,13 @@ def test_folder_moved_aside_comes_back_when_the_new_one_cannot_be_put_in_place(t
         write_dir_atomic(folder, lambda tmp: (tmp / "config.json").write_text("new"))
     assert calls[0].endswith(".old") and calls[1:] == ["hf", "hf"]
     assert folder_bytes(folder) == {"config.json": b"old"} and sorted(os.listdir(tmp_path)) == ["hf"]
+
+
+def test_two_fresh_starts_in_one_second_move_their_checkpoints_to_separate_folders(tmp_path):
+    from dflash_lightning.checkpointing import move_aside
+
+    for step in (1, 2):
+        (tmp_path / f"step={step}.ckpt").write_bytes(b"x")
+        aside = move_aside(tmp_path)
+        assert (aside / f"step={step}.ckpt").exists()
+    assert len(list(tmp_path.glob("previous-*"))) == 2
