@@ -103,13 +103,19 @@ def dense_selector_loss(hidden, head, labels, weights, prev, selector: Candidate
     return ((ce + alpha * sel) * weights).sum() / weights.sum(), (sel * weights).sum() / weights.sum(), ~absent
 
 
-@pytest.mark.parametrize("alpha", [1.0, 0.3])
-def test_selector_loss_and_gradients_match_a_dense_reference(alpha):
-    torch.manual_seed(0)
+def random_selector(seed: int) -> tuple[DrafterConfig, CandidateSelector]:
+    """A selector for a 16-wide, 50-token head with weights far from their initialisation."""
+    torch.manual_seed(seed)
     cfg = dflash2_config(hidden_size=16, vocab_size=50, selector_top_k=6, selector_rank=5)
     selector = CandidateSelector(cfg).double()
     for p in selector.parameters():
         p.data = torch.randn_like(p) * 0.5
+    return cfg, selector
+
+
+@pytest.mark.parametrize("alpha", [1.0, 0.3])
+def test_selector_loss_and_gradients_match_a_dense_reference(alpha):
+    cfg, selector = random_selector(seed=0)
     n = 8 * cfg.block_size
     hidden = torch.randn(n, 16, dtype=torch.float64, requires_grad=True)
     head = torch.randn(50, 16, dtype=torch.float64)
@@ -199,11 +205,7 @@ def test_selector_term_beside_distillation_and_dpace_matches_the_dense_reference
     """With KL (or CE + KL) and D-PACE the selector adds alpha * its CE, weighted by the unary D-PACE weights."""
     from test_model import dense_objective
 
-    torch.manual_seed(2)
-    cfg = dflash2_config(hidden_size=16, vocab_size=50, selector_top_k=6, selector_rank=5)
-    selector = CandidateSelector(cfg).double()
-    for p in selector.parameters():
-        p.data = torch.randn_like(p) * 0.5
+    cfg, selector = random_selector(seed=2)
     block, n = cfg.block_size, 9 * cfg.block_size
     hidden = torch.randn(n, 16, dtype=torch.float64, requires_grad=True)
     head = torch.randn(50, 16, dtype=torch.float64)
