@@ -572,3 +572,19 @@ def test_two_fresh_starts_in_one_second_move_their_checkpoints_to_separate_folde
         aside = move_aside(tmp_path)
         assert (aside / f"step={step}.ckpt").exists()
     assert len(list(tmp_path.glob("previous-*"))) == 2
+
+
+def test_ckpt_path_last_without_a_last_file_resumes_from_the_newest_step_or_refuses(assets, tmp_path):
+    """Lightning's `--ckpt_path=last` looks for last.ckpt only and otherwise starts at step 0 with a warning: here it
+    takes the newest complete checkpoint, and in a folder with none it refuses in one line."""
+    from dflash_lightning.checkpointing import CheckpointError
+
+    config = fault_config(assets, tmp_path, max_steps=4, save_last=False, save_top_k=-1)
+    fit(config)
+    folder = tmp_path / "checkpoints"
+    assert not (folder / "last.ckpt").exists() and max(steps_in(folder).values()) == 4
+    cli = fit(config, "--ckpt_path=last", "--trainer.max_steps=6")
+    assert cli.trainer.global_step == 6 and max(steps_in(folder).values()) == 6
+    empty = fault_config(assets, tmp_path / "empty", max_steps=2, save_last=False)
+    with pytest.raises(CheckpointError, match="--ckpt_path=last: no complete checkpoint"):
+        fit(empty, "--ckpt_path=last")

@@ -20,6 +20,7 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 from dflash_lightning.checkpointing import (
     AtomicCheckpointIO,
+    CheckpointError,
     RunCheckpoint,
     check_writable,
     load_checkpoint,
@@ -104,7 +105,13 @@ class DFlashCLI(LightningCLI):
             for folder in folders:  # every start, --ckpt_path too: a killed save's leftover can be 12 GB
                 check_writable(folder)
                 remove_partials(folder)
-        if ckpt_path is None and folders and resume == "never":
+        if ckpt_path == "last" and folders:  # Lightning's "last" knows only last.ckpt and else starts over silently
+            found = newest_complete_checkpoint(folders[0])
+            if found is None:
+                raise CheckpointError(f"--ckpt_path=last: no complete checkpoint in {folders[0]}")
+            log.warning(f"--ckpt_path=last: resuming from {found}, the newest complete checkpoint")
+            ckpt_path = str(found)
+        elif ckpt_path is None and folders and resume == "never":
             move_aside(folders[0])
         elif ckpt_path is None and folders:
             found = newest_complete_checkpoint(folders[0])
