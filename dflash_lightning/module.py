@@ -150,6 +150,8 @@ class DFlashModule(LightningModule):
         if metrics_every < 1:
             raise ConfigError(f"metrics_every must be >= 1, got {metrics_every}")
         self.loss_settings = LossSettings(objective, loss_weights, dpace_alpha, temperature, selector_alpha)
+        if init_from and not Path(init_from).exists():  # before any target or GPU work
+            raise ConfigError(f"model.init_from: no drafter checkpoint or folder at '{init_from}'")
         if head_chunk_size < 1:
             raise ConfigError(f"head_chunk_size must be >= 1, got {head_chunk_size}")
         if not 0 <= warmup_ratio < 1:
@@ -451,9 +453,10 @@ def warm_start(drafter: DFlashDrafter, path: str) -> None:
 
     cfg, state, _ = read_drafter(path)
     mine = drafter.config
-    if replace(cfg, variant=mine.variant, **_variant_fields(mine), gamma=mine.gamma) != mine:
-        diff = [k for k, v in cfg.to_dict().items() if k not in ("variant", "gamma", *_variant_fields(mine))
-                and v != getattr(mine, k)]
+    # across variants only the DFlash2 fields may differ; within one, every field but gamma (a training choice)
+    ignored = ("variant", *_variant_fields(mine)) if cfg.variant != mine.variant else ()
+    if replace(cfg, **{k: getattr(mine, k) for k in ("gamma", *ignored)}) != mine:
+        diff = [k for k, v in cfg.to_dict().items() if k not in ("gamma", *ignored) and v != getattr(mine, k)]
         raise ConfigError(f"model.init_from '{path}': its drafter differs from this run's in {', '.join(diff)}")
     if cfg.variant == mine.variant:
         drafter.load_state_dict(state)

@@ -223,3 +223,15 @@ def test_selector_term_beside_distillation_and_dpace_matches_the_dense_reference
     torch.testing.assert_close(total / used.sum(), ref)
     for g, r in zip(grads, torch.autograd.grad(ref, params), strict=True):
         torch.testing.assert_close(g, r)
+
+
+def test_warm_start_refuses_a_selector_of_another_rank_naming_the_field(tmp_path):
+    from dataclasses import replace
+
+    from dflash_lightning.export import write_folder
+    from dflash_lightning.module import warm_start
+
+    source = DFlashDrafter(dflash2_config())
+    write_folder(source.config, source.state_dict(), tmp_path / "hf")
+    with pytest.raises(ConfigError, match="selector_rank"):
+        warm_start(DFlashDrafter(replace(source.config, selector_rank=3)), str(tmp_path / "hf"))
