@@ -51,7 +51,9 @@ def test_two_rank_gradient_equals_single_process_global_batch():
     (sums / total).backward()
     expected = drafter.fc.weight.grad
     out = mp.Manager().dict()
-    mp.start_processes(_rank, args=(2, 29533, out), nprocs=2, join=True, start_method="fork")
+    # spawn: a rank forked from here could not run backward once an earlier test compiled anything (PyTorch's CUDA
+    # wheels then start autograd's device threads, GPU or not: see docs/versions.md)
+    mp.start_processes(_rank, args=(2, 29533, out), nprocs=2, join=True, start_method="spawn")
     torch.testing.assert_close(out[0], expected)
     torch.testing.assert_close(out[1], expected)
 

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+import subprocess
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -128,19 +131,32 @@ def test_the_compiled_drafter_loads_a_checkpoint_with_the_same_keys(resume_confi
     assert state[RECORD_KEY]["model.compile"] is False  # a free setting: it may change on resume
 
 
-# Layouts of a global batch of 2 packed rows (DDP forks its ranks in place). FSDP cannot run here: Lightning
-# refuses `fsdp` without a GPU and torch 2.13's FSDP1 raises "FSDP needs a non-CPU accelerator device".
+# Layouts of a global batch of 2 packed rows. FSDP cannot run here: Lightning refuses `fsdp` without a GPU and
+# torch 2.13's FSDP1 raises "FSDP needs a non-CPU accelerator device".
 LAYOUTS = {
-    "ddp x2": ["--trainer.strategy=ddp_fork", "--trainer.devices=2"],
+    "ddp x2": ["--trainer.strategy=ddp", "--trainer.devices=2"],
     "1 x acc2": ["--trainer.accumulate_grad_batches=2"],
 }
 
 
 def fit_layout(config: Path, run: Path, layout: str, *args: str) -> dict[int, Path]:
-    """A run on `layout` that records every batch it trains; returns its checkpoints by step."""
+    """A run on `layout` that records every batch it trains; returns its checkpoints by step.
+
+    DDP runs as a user starts it, `python -m dflash_lightning fit` in a fresh process that starts the second rank
+    itself: a rank forked from this test process could not run backward once an earlier test compiled anything
+    (PyTorch's CUDA wheels then start autograd's device threads, GPU or not: see docs/versions.md).
+    """
     run.mkdir(parents=True)
     record = "--trainer.callbacks+=" + json.dumps({"class_path": "helpers.RecordRows", "init_args": {"out": str(run)}})
-    cli_main(fit_args(config, run, *LAYOUTS[layout], record, *args))
+    argv = fit_args(config, run, *LAYOUTS[layout], record, *args)
+    if layout.startswith("ddp"):
+        tests = Path(__file__).parent
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests.parent), str(tests)]), "OMP_NUM_THREADS": "1"}
+        done = subprocess.run([sys.executable, "-m", "dflash_lightning", *argv], cwd=tests.parent, env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+    else:
+        cli_main(argv)
     return results(run)[1]
 
 
