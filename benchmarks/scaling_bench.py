@@ -30,9 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.step_bench import MASK_ID, QWEN3_8B, RandomData  # noqa: E402
 from dflash_lightning.config import DrafterConfig  # noqa: E402
 from dflash_lightning.module import DFlashModule  # noqa: E402
-from dflash_lightning.target import TargetFeatures  # noqa: E402
+from dflash_lightning.target_model import TargetFeatures  # noqa: E402
 
-TINY = Path(__file__).resolve().parents[1] / "dflash_lightning/assets/tiny/target"
+TINY = Path(__file__).resolve().parents[1] / "dflash_lightning/assets/tiny/target_model"
 
 
 def make_target(folder: Path, feature_layers: int = 34) -> None:

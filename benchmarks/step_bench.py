@@ -56,8 +56,8 @@ from lightning.pytorch import Callback, LightningDataModule, Trainer
 from dflash_lightning.blocks import select_anchors
 from dflash_lightning.config import DrafterConfig
 from dflash_lightning.module import DFlashModule
-from dflash_lightning.target import FeatureExtractor, TargetFeatures
-from dflash_lightning.target.features import attention_for
+from dflash_lightning.target_model import FeatureExtractor, TargetFeatures
+from dflash_lightning.target_model.features import attention_for
 
 QWEN3_8B = dict(
     hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
@@ -659,7 +659,7 @@ def main() -> None:
         best_fp8 = min(fp8_runs, key=lambda r: r["step_s"]) if fp8_runs else None
 
         if "tiny_features" not in skip:
-            tiny = Path(__file__).resolve().parents[1] / "dflash_lightning/assets/tiny/target"
+            tiny = Path(__file__).resolve().parents[1] / "dflash_lightning/assets/tiny/target_model"
             report("fp8_target_feature_difference_tiny", attempt(tiny_feature_difference, tiny))
         if args.curve_steps and "curves" not in skip:
             # The same batches and anchors (seeded) in every mode: the curves differ by precision alone.

@@ -19,14 +19,14 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
 
-from dflash_lightning import resume
 from dflash_lightning.blocks import anchor_seed, base_slot_weights, select_anchors
 from dflash_lightning.config import ConfigError, DrafterConfig
 from dflash_lightning.fp8 import convert_linears, require_fp8
+from dflash_lightning.long_runs import resume
 from dflash_lightning.loss import LossSettings
 from dflash_lightning.metrics import DraftMetrics
 from dflash_lightning.model import DFlashDrafter, DraftOutput
-from dflash_lightning.target import load_target_config, load_target_io, tokenizer_ids
+from dflash_lightning.target_model import load_target_config, load_target_io, tokenizer_ids
 
 BATCH_KEYS = ("input_ids", "position_ids", "doc_ids", "loss_mask")
 

@@ -16,6 +16,7 @@ from transformers import AutoModel, AutoModelForCausalLM
 
 from dflash_lightning.commands.export import main
 from dflash_lightning.config import ConfigError, DrafterConfig
+from dflash_lightning.decoding.speculative import SpeculativeDecoder, target_generate
 from dflash_lightning.export import (
     build_drafter,
     export_checkpoint,
@@ -26,8 +27,7 @@ from dflash_lightning.export import (
     write_folder,
 )
 from dflash_lightning.model import DFlashDrafter
-from dflash_lightning.speculative import SpeculativeDecoder, target_generate
-from dflash_lightning.target import load_target_io
+from dflash_lightning.target_model import load_target_io
 
 
 def make_checkpoint(target: Path, path: Path, block_size: int = 8, **module_kw) -> Path:
@@ -36,7 +36,7 @@ def make_checkpoint(target: Path, path: Path, block_size: int = 8, **module_kw) 
     from torch.utils.data import DataLoader
 
     from dflash_lightning.module import DFlashModule
-    from dflash_lightning.target import TargetFeatures
+    from dflash_lightning.target_model import TargetFeatures
 
     torch.manual_seed(0)
     module = DFlashModule(str(target), DrafterConfig(num_layers=2, block_size=block_size), token_budget=64,
@@ -325,7 +325,7 @@ def test_sliding_window_drafter_round_trips_and_decodes_losslessly(tiny_target, 
     sampled decoding gives the same tokens in both for one seed."""
     from transformers import AutoConfig
 
-    from dflash_lightning.speculative import SpeculativeDecoder
+    from dflash_lightning.decoding.speculative import SpeculativeDecoder
 
     drafter = parity_drafter(tiny_target, torch.float32, **SLIDING)
     folder = write_folder(drafter.config, drafter.state_dict(), tmp_path / "sliding")

@@ -11,10 +11,10 @@ from helpers import packed_batch
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from dflash_lightning.config import DrafterConfig
+from dflash_lightning.decoding.speculative import DraftContext, SpeculativeDecoder, accepted_length, target_generate
 from dflash_lightning.hf.modeling_dflash import sampling_probs, verify_drafts
 from dflash_lightning.model import DFlashDrafter
-from dflash_lightning.speculative import DraftContext, SpeculativeDecoder, accepted_length, target_generate
-from dflash_lightning.target import load_target_io
+from dflash_lightning.target_model import load_target_io
 
 EOS = 2  # <|im_end|> of the test tokenizer
 

@@ -18,7 +18,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
-from dflash_lightning.checkpointing import (
+from dflash_lightning.data import DFlashDataModule
+from dflash_lightning.decoding.validation import SpeculativeValidation
+from dflash_lightning.long_runs.checkpointing import (
     AtomicCheckpointIO,
     CheckpointError,
     RunCheckpoint,
@@ -28,12 +30,10 @@ from dflash_lightning.checkpointing import (
     newest_complete_checkpoint,
     remove_partials,
 )
-from dflash_lightning.data import DFlashDataModule
-from dflash_lightning.image_logging import ImageLogging
+from dflash_lightning.long_runs.preemption import Preemption
 from dflash_lightning.module import DFlashModule
-from dflash_lightning.preemption import Preemption
-from dflash_lightning.target import TargetFeatures
-from dflash_lightning.validation import SpeculativeValidation
+from dflash_lightning.pictures.image_logging import ImageLogging
+from dflash_lightning.target_model import TargetFeatures
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 the drafter learns what the target says; writes resumable JSONL in the `messages` format, in source order.
 
 Backends: in-process Hugging Face `generate` ("hf", the default) or an OpenAI-compatible server ("openai": vLLM,
-SGLang, `transformers serve`: regenerate_openai.py); ordered output and resume: regenerate_output.py.
+SGLang, `transformers serve`: openai_backend.py); ordered output and resume: output.py.
 """
 
 from __future__ import annotations
@@ -27,14 +27,14 @@ from dflash_lightning.data.conversations import (
     resolve_files,
     to_messages,
 )
-from dflash_lightning.regenerate_output import (
+from dflash_lightning.regenerate.output import (
     Conversation,
     OrderedWriter,
     check_settings,
     resume_point,
     trim_rejects,
 )
-from dflash_lightning.target import DTYPES, resolve_model_dir
+from dflash_lightning.target_model import DTYPES, resolve_model_dir
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ def run_hf(conversations: Iterator[Conversation], writer: OrderedWriter, counts:
     """The in-process backend: the target's `generate` on batches of `batch_size` conversations, in source order."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dflash_lightning.evaluate import stop_token_ids
+    from dflash_lightning.decoding.evaluate import stop_token_ids
 
     folder = resolve_model_dir(target)
     tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -283,7 +283,7 @@ def regenerate(
     server = None
     base_urls = [base_url] if isinstance(base_url, str) else list(base_url or [])
     if backend == "openai":
-        from dflash_lightning import regenerate_openai as ro
+        from dflash_lightning.regenerate import openai_backend as ro
 
         servers = ro.Servers(base_urls, api_key_env, request_timeout, max_retries)
         target, server = servers.identify(target)

@@ -10,7 +10,7 @@ import logging
 from typing import Any
 
 from dflash_lightning.config import ConfigError
-from dflash_lightning.fingerprints import target_fingerprint, tokenizer_sha256
+from dflash_lightning.target_model.fingerprints import target_fingerprint, tokenizer_sha256
 
 log = logging.getLogger(__name__)
 

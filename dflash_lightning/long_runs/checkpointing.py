@@ -23,7 +23,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import Tensor
 
-from dflash_lightning.atomic import write_atomic
+from dflash_lightning.long_runs.atomic import write_atomic
 
 log = logging.getLogger(__name__)
 

@@ -14,10 +14,10 @@ from torch import Tensor
 
 from dflash_lightning.config import ConfigError
 from dflash_lightning.fp8 import require_fp8
-from dflash_lightning.target.features import FeatureExtractor
-from dflash_lightning.target.loading import DTYPES
-from dflash_lightning.target.separate import FeaturePrefetcher, rank_devices
-from dflash_lightning.target.sharded import node_mesh
+from dflash_lightning.target_model.features import FeatureExtractor
+from dflash_lightning.target_model.loading import DTYPES
+from dflash_lightning.target_model.separate import FeaturePrefetcher, rank_devices
+from dflash_lightning.target_model.sharded import node_mesh
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
