@@ -16,6 +16,7 @@ from torch import Tensor
 
 from dflash_lightning.blocks import dpace_weights
 from dflash_lightning.config import ConfigError
+from dflash_lightning.dflash2 import unary_top_k
 
 if TYPE_CHECKING:
     from dflash_lightning.dflash2 import CandidateSelector
@@ -92,8 +93,8 @@ class _HeadLoss(torch.autograd.Function):
             h, y = hidden[start:end].to(head.dtype), labels[start:end, None]
             raw = F.linear(h, head)  # [rows, V] in the compute dtype
             ranked = max(topk, selector_k if selecting else 0)  # one topk serves the metrics and the candidates
-            # ranked on the compute-dtype logits: a 16-bit radix select makes half the passes of an fp32 one
-            top_ids = raw.topk(ranked, dim=-1).indices if ranked else None
+            # ranked on the compute-dtype logits (bf16 under bf16-mixed): half the bytes of fp32 ones to read
+            top_ids = unary_top_k(raw, ranked) if ranked else None
             logits = raw.to(acc)
             del raw
             lse = torch.logsumexp(logits, dim=-1, keepdim=True)
