@@ -273,7 +273,7 @@ def test_exported_folder_drafts_what_training_trained(tiny_target, tmp_path, dty
             if drafter.config.is_dflash2:  # the selector's greedy path: the folder's against ours
                 # ours in fp32: CandidateSelector.pair_scores feeds fp32 hidden states to the projection
                 ours = selector.greedy(trained_hidden[a, 1:].float(), trained[a, 1:], block[0, 0])
-                picks = served.propose(hidden[0, 1:], logits[1:], int(block[0, 0]))
+                picks, _ = served.propose(hidden[0, 1:], logits[1:], int(block[0, 0]))
                 same_picks += int((picks == ours).sum())
     # the draft tokens themselves: all equal in float32; bfloat16 may flip a near-tie
     n = 7 * anchors.numel()
@@ -296,12 +296,14 @@ def test_exported_spec_generate_is_lossless(tiny_target, tmp_path, variant):
         assert out[0, ids.numel():].tolist() == target_generate(target, ids, 20, 2).tokens
 
 
+@pytest.mark.parametrize("variant", [{}, DFLASH2])
 @pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=0.7, top_p=0.9, top_k=8)])
-def test_exported_spec_generate_samples_as_the_decoder(tiny_target, tmp_path, sampling):
+def test_exported_spec_generate_samples_as_the_decoder(tiny_target, tmp_path, sampling, variant):
     """Sampled `spec_generate` gives the project decoder's tokens for the same seed (both run the one verification
-    rule of the modelling file, whose losslessness tests/test_speculative.py checks statistically)."""
+    rule of the modelling file, whose losslessness tests/test_speculative.py checks statistically); a DFlash2
+    folder samples its drafts from the selector's q, as the decoder does."""
     target = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
-    drafter = parity_drafter(tiny_target, torch.float32)
+    drafter = parity_drafter(tiny_target, torch.float32, **variant)
     served = AutoModel.from_pretrained(write_folder(drafter.config, drafter.state_dict(), tmp_path / "d"),
                                        trust_remote_code=True).eval()
     decoder = SpeculativeDecoder(target, drafter)
