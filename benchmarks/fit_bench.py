@@ -78,12 +78,14 @@ def _activities() -> list:
 
 
 def profile_summary(prof, steps: int, wall_s: float, top: int = 25) -> dict:
-    """Per step: the wall time, the device's busy time (kernels, summed), the top ops by device and by host time."""
+    """Per step: the wall time, the device's busy time (its kernels, summed), the top kernels and the top host ops."""
     events = [e for e in prof.key_averages() if e.key]
-    device = sum(e.self_device_time_total for e in events) / 1e6 / steps
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]  # not the ops that launch them
+    device = sum(e.self_device_time_total for e in kernels) / 1e6 / steps
 
     def rows(key: str) -> list[dict]:
-        ranked = sorted(events, key=lambda e: getattr(e, key), reverse=True)[:top]
+        ranked = sorted(kernels if key == "self_device_time_total" else events, key=lambda e: getattr(e, key),
+                        reverse=True)[:top]
         return [{"op": e.key[:90], "calls_per_step": e.count / steps, "device_ms": e.self_device_time_total / 1e3
                  / steps, "host_ms": e.self_cpu_time_total / 1e3 / steps} for e in ranked]
 
