@@ -15,11 +15,11 @@ import torch
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 from dflash_lightning.data import DFlashDataModule
 from dflash_lightning.decoding.validation import SpeculativeValidation
+from dflash_lightning.lightning_compat import TypedSettingsCLI, adopt_class
 from dflash_lightning.long_runs.checkpointing import (
     AtomicCheckpointIO,
     CheckpointError,
@@ -38,7 +38,7 @@ from dflash_lightning.target_model import TargetFeatures
 log = logging.getLogger(__name__)
 
 
-class DFlashCLI(LightningCLI):
+class DFlashCLI(TypedSettingsCLI):
     """LightningCLI with `target`, `spec_eval`, `images` and `preemption` sections (callbacks) and the DFlash links."""
 
     @staticmethod
@@ -59,12 +59,6 @@ class DFlashCLI(LightningCLI):
         parser.link_arguments("data.token_budget", "model.token_budget")
         parser.link_arguments("model.drafter.block_size", "data.block_size")
 
-    def _parse_ckpt_path(self) -> None:
-        """Keep the typed settings: LightningCLI would replace them by the checkpoint's hyper-parameters.
-
-        The module compares the two when it loads the checkpoint and refuses changes to what is trained.
-        """
-
     # ---------------------------------------------------------------- checkpoints and the automatic resume
 
     def parse_arguments(self, parser: Any, args: Any) -> None:
@@ -81,7 +75,7 @@ class DFlashCLI(LightningCLI):
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
         for cb in trainer.checkpoint_callbacks:
             if type(cb) is ModelCheckpoint:  # the configs' plain class: `last` kept the newest (see RunCheckpoint)
-                cb.__class__ = RunCheckpoint
+                adopt_class(cb, RunCheckpoint)
             if isinstance(cb, ModelCheckpoint) and cb.dirpath is None:  # version_N/ would change on every start
                 cb.dirpath = str(Path(trainer.default_root_dir, "checkpoints").resolve())
         for logger in trainer.loggers:
@@ -93,7 +87,8 @@ class DFlashCLI(LightningCLI):
         return trainer
 
     def _names_checkpoint_io(self) -> bool:
-        plugins = self._get(self.config_init, "trainer", default={}).get("plugins") or []
+        config = self.config_init[self.subcommand] if self.subcommand else self.config_init
+        plugins = config.get("trainer", {}).get("plugins") or []
         return any(isinstance(p, CheckpointIO) for p in (plugins if isinstance(plugins, list) else [plugins]))
 
     def fit(self, model: DFlashModule, ckpt_path: str | None = None, **kwargs: Any) -> None:

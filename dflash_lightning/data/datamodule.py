@@ -21,6 +21,7 @@ from lightning.pytorch import LightningDataModule
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
+from dflash_lightning import lightning_compat as compat
 from dflash_lightning.blocks import anchor_seed
 from dflash_lightning.data.conversations import (
     DataError,
@@ -476,7 +477,7 @@ class DFlashDataModule(LightningDataModule):
         if self._fitting():
             # the loader runs ahead of the step (Lightning prefetches); count the batches the loop processed
             epoch = self.trainer.current_epoch
-            served = self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
+            served = compat.processed_batches(self.trainer)
         documents = len(self.train_samples) if self.train_samples is not None else -1
         _, world_size = self._rank_and_world_size()
         return {"epoch": epoch, "rows_served": served * world_size, "world_size": world_size, "documents": documents}
