@@ -41,9 +41,10 @@ def make_checkpoint(target: Path, path: Path, block_size: int = 8, **module_kw) 
     torch.manual_seed(0)
     module = DFlashModule(str(target), DrafterConfig(num_layers=2, block_size=block_size), token_budget=64,
                           num_anchors=8, **module_kw)
+    features = TargetFeatures(str(target), dtype="float32", layer_ids=module.drafter_config.target_layer_ids,
+                              final_hidden=module.loss_settings.distills)
     trainer = Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False,
-                      callbacks=[TargetFeatures(str(target), dtype="float32")])
+                      enable_progress_bar=False, enable_model_summary=False, callbacks=[features])
     trainer.fit(module, train_dataloaders=DataLoader([packed_batch([30, 20], 64, vocab=50)], batch_size=None))
     trainer.save_checkpoint(path)
     return path

@@ -1,7 +1,8 @@
 """`python -m dflash_lightning fit|validate`: LightningCLI over DFlashModule, DFlashDataModule and the target.
 
-Values that data, model and target must share are typed once and linked: the target path, the token budget
-and the block size.
+Values that data, model and target must share are typed once and linked (dflash_lightning/wiring.py checks them
+where they meet): the target path, the token budget, the block size, the feature cache, the drafter's target layers
+and whether the objective distills.
 """
 
 from __future__ import annotations
@@ -58,6 +59,14 @@ class DFlashCLI(TypedSettingsCLI):
         parser.link_arguments("target.path", "data.tokenizer")
         parser.link_arguments("data.token_budget", "model.token_budget")
         parser.link_arguments("model.drafter.block_size", "data.block_size")
+        parser.link_arguments("target.path", "data.target")
+        parser.link_arguments("data.token_budget", "target.token_budget")
+        parser.link_arguments("data.feature_cache", "target.feature_cache")
+        # the resolved drafter's (its layer choice needs the target's config) once the model is built
+        for key in ("data.target_layer_ids", "target.layer_ids"):
+            parser.link_arguments("model", key, compute_fn=_layer_ids, apply_on="instantiate")
+        for key in ("data.final_hidden", "target.final_hidden"):
+            parser.link_arguments("model", key, compute_fn=_distills, apply_on="instantiate")
 
     # ---------------------------------------------------------------- checkpoints and the automatic resume
 
@@ -120,6 +129,14 @@ class DFlashCLI(TypedSettingsCLI):
         self.model.check_device(self.trainer.strategy.root_device, self.trainer.precision_plugin.precision)
 
     before_validate = before_fit
+
+
+def _layer_ids(model: DFlashModule) -> list[int]:
+    return list(model.drafter_config.target_layer_ids)
+
+
+def _distills(model: DFlashModule) -> bool:
+    return model.loss_settings.distills
 
 
 def main(argv: Sequence[str] | None = None, run: bool = True) -> DFlashCLI:
