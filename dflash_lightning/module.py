@@ -89,7 +89,7 @@ class DFlashModule(LightningModule):
         head_chunk_size: int = 4096,
         objective: Literal["ce", "kl", "ce+kl"] = LossSettings.objective,  # defaults: LossSettings, as a bare drafter
         loss_weights: Literal["decay", "dpace"] = LossSettings.loss_weights,
-        dpace_alpha: float = LossSettings.alpha,
+        dpace_alpha: float = LossSettings.dpace_alpha,
         temperature: float = LossSettings.temperature,
         selector_alpha: float = LossSettings.selector_alpha,
         init_from: str | None = None,

@@ -81,7 +81,7 @@ def test_training_settings_ride_in_the_checkpoint_and_stay_out_of_the_served_fol
     assert {k: hp[k] for k in settings} == settings
     restored = DFlashModule(**hp)  # what a resume or load_from_checkpoint builds
     assert (restored.loss_settings.objective, restored.loss_settings.loss_weights) == ("ce+kl", "dpace")
-    assert (restored.loss_settings.alpha, restored.loss_settings.temperature) == (0.3, 2.0)
+    assert (restored.loss_settings.dpace_alpha, restored.loss_settings.temperature) == (0.3, 2.0)
     out = export_checkpoint(path, tmp_path / "hf")
     assert json.loads((out / "config.json").read_text()) == json.loads((folder / "config.json").read_text())
 
