@@ -199,7 +199,7 @@ def test_dflash2_training_step_through_the_module_logs_selector_metrics():
     assert float(out.selector_loss) > 0
 
 
-@pytest.mark.parametrize("settings", [LossSettings("kl", "dpace", alpha=0.3, temperature=0.5, selector_alpha=0.7),
+@pytest.mark.parametrize("settings", [LossSettings("kl", "dpace", dpace_alpha=0.3, temperature=0.5, selector_alpha=0.7),
                                       LossSettings("ce+kl", "dpace")])
 def test_selector_term_beside_distillation_and_dpace_matches_the_dense_reference(settings):
     """With KL (or CE + KL) and D-PACE the selector adds alpha * its CE, weighted by the unary D-PACE weights."""

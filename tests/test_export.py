@@ -41,9 +41,10 @@ def make_checkpoint(target: Path, path: Path, block_size: int = 8, **module_kw) 
     torch.manual_seed(0)
     module = DFlashModule(str(target), DrafterConfig(num_layers=2, block_size=block_size), token_budget=64,
                           num_anchors=8, **module_kw)
+    features = TargetFeatures(str(target), dtype="float32", layer_ids=module.drafter_config.target_layer_ids,
+                              final_hidden=module.loss_settings.distills)
     trainer = Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False,
-                      callbacks=[TargetFeatures(str(target), dtype="float32")])
+                      enable_progress_bar=False, enable_model_summary=False, callbacks=[features])
     trainer.fit(module, train_dataloaders=DataLoader([packed_batch([30, 20], 64, vocab=50)], batch_size=None))
     trainer.save_checkpoint(path)
     return path
@@ -80,7 +81,7 @@ def test_training_settings_ride_in_the_checkpoint_and_stay_out_of_the_served_fol
     assert {k: hp[k] for k in settings} == settings
     restored = DFlashModule(**hp)  # what a resume or load_from_checkpoint builds
     assert (restored.loss_settings.objective, restored.loss_settings.loss_weights) == ("ce+kl", "dpace")
-    assert (restored.loss_settings.alpha, restored.loss_settings.temperature) == (0.3, 2.0)
+    assert (restored.loss_settings.dpace_alpha, restored.loss_settings.temperature) == (0.3, 2.0)
     out = export_checkpoint(path, tmp_path / "hf")
     assert json.loads((out / "config.json").read_text()) == json.loads((folder / "config.json").read_text())
 
