@@ -343,7 +343,7 @@ def step_flops(module: DFlashModule, batch: dict[str, torch.Tensor]) -> float:
     per_layer = N * H * hq * d * 2 + (N + T) * H * hkv * d * 2 + 3 * N * H * mlp
     linear = 6 * (cfg.num_layers * per_layer + T * cfg.num_context_layers * H * H)
     attention = 12 * d * hq * visible_pairs(cfg, batch, A)
-    head = (6 if module.loss_settings.distills else 4) * N * H * V
+    head = (6 if module.loss_settings.distills else 4) * A * (B - 1) * H * V  # slot 0 skips the head
     return float(linear + attention + head)
 
 
