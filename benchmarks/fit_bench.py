@@ -50,8 +50,11 @@ class StepTimer(Callback):
             _sync()
             seconds = (time.perf_counter() - self.t0) / self.window
             budget = trainer.datamodule.hparams.token_budget
+            saves = [cb.every_n_train_steps for cb in trainer.checkpoint_callbacks if cb.every_n_train_steps]
             self.result = {
-                "step_s": seconds, "context_tokens_per_s": budget / seconds, "measured_steps": self.window,
+                "step_s": seconds, "context_tokens_per_s": budget / seconds, "token_budget": budget,
+                "packing": trainer.datamodule.packing_stats(), "save_every_n_train_steps": min(saves, default=None),
+                "measured_steps": self.window,
                 "warmup_steps": self.warmup, "first_step_after_s": self.first_step_s,
                 "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None,
             }
