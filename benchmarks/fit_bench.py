@@ -121,6 +121,22 @@ def prepare(work: Path, docs: int) -> tuple[Path, Path]:
     return target, data
 
 
+def edited_config(config: Path, run: Path, save_every: int, sync_saves: bool) -> Path:
+    """A copy of the config in the run folder with the checkpoint interval set and/or background saves off."""
+    import yaml
+
+    data = yaml.safe_load(config.read_text())
+    trainer = data["trainer"]
+    if sync_saves:
+        trainer["plugins"] = [p for p in trainer.get("plugins") or [] if "CheckpointIO" not in str(p)] or None
+    for cb in trainer.get("callbacks") or []:
+        if save_every and str(cb.get("class_path", "")).endswith("ModelCheckpoint"):
+            cb.setdefault("init_args", {})["every_n_train_steps"] = save_every
+    out = run / config.name
+    out.write_text(yaml.safe_dump(data, sort_keys=False))
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/qwen3-8b.yaml")
@@ -129,6 +145,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=20, help="steps before the timed window (compile, warm-up)")
     parser.add_argument("--steps", type=int, default=60, help="timed steps")
     parser.add_argument("--profile", type=int, default=0, help="steps profiled after the timed window (0: none)")
+    parser.add_argument("--save-every", type=int, default=0,
+                        help="the config's ModelCheckpoint every_n_train_steps (0: as the config says)")
+    parser.add_argument("--sync-saves", action="store_true", help="drop the config's background-save plugin")
     parser.add_argument("--docs", type=int, default=3000, help="synthetic conversations")
     parser.add_argument("--target", type=Path, default=None, help="an existing target folder instead of a random one")
     parser.add_argument("--data", type=Path, default=None, help="its conversations (with --target)")
@@ -140,8 +159,11 @@ def main() -> None:
     run = work / f"run-{Path(args.config).stem}-{int(time.time())}"
     run.mkdir()
     timer_out = run / "timer.json"
+    config = (ROOT / args.config).resolve()
+    if args.save_every or args.sync_saves:
+        config = edited_config(config, run, args.save_every, args.sync_saves)
     command = [
-        sys.executable, "-m", "dflash_lightning", "fit", "--config", str((ROOT / args.config).resolve()),
+        sys.executable, "-m", "dflash_lightning", "fit", "--config", str(config),
         f"--target.path={target}", f"--data.train_files=[{data}]", f"--data.val_files=[{data}]",
         f"--trainer.max_steps={args.warmup + args.steps + args.profile + 1}", "--trainer.limit_val_batches=0",
         "--trainer.callbacks+=" + json.dumps({"class_path": "benchmarks.fit_bench.StepTimer",
