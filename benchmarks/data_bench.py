@@ -31,7 +31,6 @@ from pathlib import Path
 
 import torch
 
-from dflash_lightning.atomic import write_json
 from dflash_lightning.data import DFlashDataModule
 from dflash_lightning.data.conversations import resolve_files, tokenize_files
 from dflash_lightning.data.feature_cache import (
@@ -43,6 +42,7 @@ from dflash_lightning.data.feature_cache import (
     sample_checksums,
 )
 from dflash_lightning.data.feature_cache_writer import plan_shards, write_shard
+from dflash_lightning.long_runs.atomic import write_json
 
 QWEN3_8B_FEATURE_DIM = 5 * 4096  # K * H of the recipe
 CHECKSUMS = os.environ.get("DATA_BENCH_CHECKSUMS", "1") == "1"  # 0: shards without per-sample crc32 (old caches)

@@ -46,7 +46,7 @@ def start_server(threads: int, continuous_batching: bool, log: Path) -> tuple[su
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "transformers.cli.transformers", "serve", str(TINY / "target"), "--host",
+    cmd = [sys.executable, "-m", "transformers.cli.transformers", "serve", str(TINY / "target_model"), "--host",
            "127.0.0.1", "--port", str(port), "--device", "cpu", "--dtype", "float32"]
     cmd += ["--continuous-batching"] if continuous_batching else []
     with log.open("wb") as f:
@@ -65,7 +65,7 @@ def start_server(threads: int, continuous_batching: bool, log: Path) -> tuple[su
 
 def timed(backend: str, out: Path, **kwargs) -> dict:
     """Runs regenerate once; its closing line's figures."""
-    import dflash_lightning.regenerate as rg
+    import dflash_lightning.regenerate.generate as rg
 
     printed = StringIO()
     began = time.perf_counter()
@@ -100,7 +100,7 @@ def main() -> None:
         folder = Path(tmp)
         source = records(folder, args.train)
         common["input_files"] = [str(source)]
-        results.append(timed("hf", folder / "hf.jsonl", target=str(TINY / "target"), batch_size=args.batch_size,
+        results.append(timed("hf", folder / "hf.jsonl", target=str(TINY / "target_model"), batch_size=args.batch_size,
                              device="cpu", dtype="float32", **common))
         process, url = start_server(args.threads, args.continuous_batching, folder / "serve.log")
         try:

@@ -30,9 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.step_bench import MASK_ID, QWEN3_8B, RandomData  # noqa: E402
 from dflash_lightning.config import DrafterConfig  # noqa: E402
 from dflash_lightning.module import DFlashModule  # noqa: E402
-from dflash_lightning.target import TargetFeatures  # noqa: E402
+from dflash_lightning.target_model import TargetFeatures  # noqa: E402
 
-TINY = Path(__file__).resolve().parents[1] / "dflash_lightning/assets/tiny/target"
+TINY = Path(__file__).resolve().parents[1] / "dflash_lightning/assets/tiny/target_model"
 
 
 def make_target(folder: Path, feature_layers: int = 34) -> None:
@@ -102,7 +102,8 @@ def main() -> None:
     module = DFlashModule(str(target), drafter, token_budget=budget, num_anchors=anchors, compile=not smoke,
                           metrics_every=8)
     features = TargetFeatures(str(target), dtype="float32" if smoke else "bfloat16", placement=args.placement,
-                              target_devices=[d for d in args.target_devices.split(",") if d] or None)
+                              target_devices=[d for d in args.target_devices.split(",") if d] or None,
+                              layer_ids=module.drafter_config.target_layer_ids, token_budget=budget)
     timer = Throughput(args.warmup, args.steps)
     devices = [int(i) for i in args.trainer_gpus.split(",")] if args.trainer_gpus else args.devices
     trainer = Trainer(

@@ -56,8 +56,8 @@ from lightning.pytorch import Callback, LightningDataModule, Trainer
 from dflash_lightning.blocks import select_anchors
 from dflash_lightning.config import DrafterConfig
 from dflash_lightning.module import DFlashModule
-from dflash_lightning.target import FeatureExtractor, TargetFeatures
-from dflash_lightning.target.features import attention_for
+from dflash_lightning.target_model import FeatureExtractor, TargetFeatures
+from dflash_lightning.target_model.features import attention_for
 
 QWEN3_8B = dict(
     hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
@@ -343,7 +343,7 @@ def step_flops(module: DFlashModule, batch: dict[str, torch.Tensor]) -> float:
     per_layer = N * H * hq * d * 2 + (N + T) * H * hkv * d * 2 + 3 * N * H * mlp
     linear = 6 * (cfg.num_layers * per_layer + T * cfg.num_context_layers * H * H)
     attention = 12 * d * hq * visible_pairs(cfg, batch, A)
-    head = (6 if module.loss_settings.distills else 4) * N * H * V
+    head = (6 if module.loss_settings.distills else 4) * A * (B - 1) * H * V  # slot 0 skips the head
     return float(linear + attention + head)
 
 
@@ -516,13 +516,17 @@ def tiny_feature_difference(folder: Path, budget: int = 1024) -> dict:
 
 
 def projection(tokens_per_s: float, gpus: int, efficiency: float, conversations: float, epochs: int,
-               mean_tokens: float, fill: float) -> dict:
-    """Hours to train a recipe on one node from the one-GPU rate (context tokens/s, pads included)."""
+               mean_tokens: float, fill: float, save_stall_s: float = 0.0, save_every_s: float | None = None) -> dict:
+    """Hours to train a recipe on one node from the one-GPU rate (context tokens/s, pads included), plus the stall
+    of a checkpoint save (`save_stall_s` every `save_every_s` seconds of training)."""
     real = tokens_per_s * fill * gpus * efficiency  # real tokens per second over the node
-    hours = conversations * epochs * mean_tokens / real / 3600
+    training = conversations * epochs * mean_tokens / real / 3600
+    stalls = training * save_stall_s / save_every_s if save_every_s else 0.0
     return {"gpus": gpus, "scaling_efficiency": efficiency, "conversations": conversations, "epochs": epochs,
             "mean_conversation_tokens": mean_tokens, "packing_fill": fill, "one_gpu_tokens_per_s": tokens_per_s,
-            "node_real_tokens_per_s": real, "samples_per_s": real / mean_tokens, "hours": hours}
+            "node_real_tokens_per_s": real, "samples_per_s": real / mean_tokens, "save_stall_s": save_stall_s,
+            "save_every_s": save_every_s, "training_hours": training, "checkpoint_hours": stalls,
+            "hours": training + stalls}
 
 
 def main() -> None:
@@ -659,7 +663,7 @@ def main() -> None:
         best_fp8 = min(fp8_runs, key=lambda r: r["step_s"]) if fp8_runs else None
 
         if "tiny_features" not in skip:
-            tiny = Path(__file__).resolve().parents[1] / "dflash_lightning/assets/tiny/target"
+            tiny = Path(__file__).resolve().parents[1] / "dflash_lightning/assets/tiny/target_model"
             report("fp8_target_feature_difference_tiny", attempt(tiny_feature_difference, tiny))
         if args.curve_steps and "curves" not in skip:
             # The same batches and anchors (seeded) in every mode: the curves differ by precision alone.

@@ -14,10 +14,10 @@ if not torch.cuda.is_available():  # torchao (imported by transformers) logs CUD
     logging.getLogger("torchao").setLevel(logging.ERROR)
     logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
 
-from dflash_lightning.checkpointing import CheckpointError  # noqa: E402
 from dflash_lightning.cli import cli_main  # noqa: E402
+from dflash_lightning.long_runs.checkpointing import CheckpointError  # noqa: E402
 from dflash_lightning.module import NonFiniteError  # noqa: E402
-from dflash_lightning.regenerate_openai import ServerError  # noqa: E402
+from dflash_lightning.regenerate.openai_backend import ServerError  # noqa: E402
 
 TRACEBACK_ENV = "DFLASH_TRACEBACK"
 FAILED_RUN = (CheckpointError, NonFiniteError, ServerError)  # exit 1; any other ValueError is a bad setting: 2

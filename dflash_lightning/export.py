@@ -23,11 +23,11 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from dflash_lightning.atomic import write_dir_atomic
-from dflash_lightning.checkpointing import CheckpointError, load_checkpoint, nonfinite_weights
 from dflash_lightning.config import ConfigError, DrafterConfig, _rope_settings
+from dflash_lightning.long_runs.atomic import write_dir_atomic
+from dflash_lightning.long_runs.checkpointing import CheckpointError, load_checkpoint, nonfinite_weights
 from dflash_lightning.model import DFlashDrafter
-from dflash_lightning.target import DTYPES, load_target_config, load_target_io, weight_map
+from dflash_lightning.target_model import DTYPES, load_target_config, load_target_io, weight_map
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from helpers import packed_batch
 from test_model import tiny_drafter
 
 from dflash_lightning.blocks import select_anchors, slot_weights
-from dflash_lightning.target import FeatureExtractor
+from dflash_lightning.target_model import FeatureExtractor
 
 ROWS = [packed_batch([30, 18], 64, seed=1), packed_batch([60], 64, seed=2)]  # very different weight sums
 FEATURES = [torch.randn(64, 96, dtype=torch.float64, generator=torch.Generator().manual_seed(i)) for i in (1, 2)]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from test_faults import assets, fault_config, fit, good_checkpoints  # noqa: F401 (fixtures)
 
-from dflash_lightning.checkpointing import CheckpointError
+from dflash_lightning.long_runs.checkpointing import CheckpointError
 
 ROOT = Path(__file__).parents[1]
 NOISE = ("Traceback", "torchao", "LightningCLI's args parameter")

@@ -11,10 +11,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash_lightning.commands.evaluate import main
 from dflash_lightning.config import DrafterConfig
-from dflash_lightning.evaluate import evaluate, first_mismatch, parse_temperatures, prompt_ids, summarize
+from dflash_lightning.decoding.evaluate import evaluate, first_mismatch, parse_temperatures, prompt_ids, summarize
+from dflash_lightning.decoding.speculative import Generation
 from dflash_lightning.export import export_checkpoint
 from dflash_lightning.model import DFlashDrafter
-from dflash_lightning.speculative import Generation
 
 PROMPTS = [
     {"prompt": "what does this function return ?", "category": "code"},
@@ -179,7 +179,7 @@ def test_tau_counts_only_tokens_up_to_the_stop_token_and_the_length_limit():
 
 
 def test_bad_prompts_file_names_file_and_line(tmp_path):
-    from dflash_lightning.evaluate import read_prompts
+    from dflash_lightning.decoding.evaluate import read_prompts
 
     path = tmp_path / "p.jsonl"
     path.write_text('{"prompt": "a"}\n{"prompt": \n')
@@ -206,7 +206,7 @@ class LogRecorder:
     (0.6, {"val/tau_served_t0.6", "val/tau_expected_t0.6"}),
 ])
 def test_spec_eval_logs_each_temperature_under_its_own_name(tiny_target, prompts_file, temperature, names):
-    from dflash_lightning.validation import SpeculativeValidation
+    from dflash_lightning.decoding.validation import SpeculativeValidation
 
     target = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32)
     cfg = DrafterConfig(num_layers=1, block_size=4, mask_token_id=52, gamma=4.0).resolved(target.config)

@@ -20,16 +20,16 @@ from conftest import make_target
 from lightning.pytorch import Callback
 from test_cli import CONFIGS, write_conversations
 
-from dflash_lightning.checkpointing import (
+from dflash_lightning.cli import cli_main
+from dflash_lightning.export import ExportError, export_checkpoint, read_drafter
+from dflash_lightning.long_runs.checkpointing import (
     AtomicCheckpointIO,
     CheckpointError,
     load_checkpoint,
     newest_complete_checkpoint,
 )
-from dflash_lightning.cli import cli_main
-from dflash_lightning.export import ExportError, export_checkpoint, read_drafter
+from dflash_lightning.long_runs.preemption import Preempted, Preemption
 from dflash_lightning.module import NonFiniteError
-from dflash_lightning.preemption import Preempted, Preemption
 
 ROOT = Path(__file__).parents[1]
 EVENTS: dict[str, list] = {}  # what the callbacks below saw, per test
@@ -315,7 +315,7 @@ def test_full_disk_during_a_save_keeps_the_previous_checkpoint_and_says_what_was
 
 KILL_SCRIPT = """
 import sys, torch
-from dflash_lightning.checkpointing import AtomicCheckpointIO
+from dflash_lightning.long_runs.checkpointing import AtomicCheckpointIO
 AtomicCheckpointIO().save_checkpoint({"state_dict": {"w": torch.zeros(2**25)}, "global_step": 9,
                                       "drafter_config": {}}, sys.argv[1])
 """
@@ -498,7 +498,7 @@ def test_export_failing_midway_leaves_the_existing_folder_as_it_was(good_checkpo
 @pytest.mark.parametrize("swap", [True, False], ids=["swapped", "moved aside"])
 def test_reexport_replaces_the_folder_and_carries_the_users_files_over(good_checkpoints, tmp_path, monkeypatch, swap):
     if not swap:  # a filesystem without renameat2's exchange (not Linux, some network filesystems)
-        monkeypatch.setattr("dflash_lightning.atomic._exchange", lambda a, b: False)
+        monkeypatch.setattr("dflash_lightning.long_runs.atomic._exchange", lambda a, b: False)
     ckpts = good_checkpoints / "checkpoints"
     out = export_checkpoint(ckpts / "step=2.ckpt", tmp_path / "hf")
     users = {"README.md": b"card\n", "tokenizer/tokenizer.json": b"{}"}
@@ -544,11 +544,11 @@ def test_export_into_the_current_folder_is_refused_and_a_relative_one_works(good
 
 def test_folder_moved_aside_comes_back_when_the_new_one_cannot_be_put_in_place(tmp_path, monkeypatch):
     """Where the filesystem cannot swap folders, a failure between the two renames restores the old folder."""
-    from dflash_lightning.atomic import write_dir_atomic
+    from dflash_lightning.long_runs.atomic import write_dir_atomic
 
     folder = tmp_path / "hf"
     write_dir_atomic(folder, lambda tmp: (tmp / "config.json").write_text("old"))
-    monkeypatch.setattr("dflash_lightning.atomic._exchange", lambda a, b: False)
+    monkeypatch.setattr("dflash_lightning.long_runs.atomic._exchange", lambda a, b: False)
     real_rename, calls = os.rename, []
 
     def rename(src, dst):
@@ -565,7 +565,7 @@ def test_folder_moved_aside_comes_back_when_the_new_one_cannot_be_put_in_place(t
 
 
 def test_two_fresh_starts_in_one_second_move_their_checkpoints_to_separate_folders(tmp_path):
-    from dflash_lightning.checkpointing import move_aside
+    from dflash_lightning.long_runs.checkpointing import move_aside
 
     for step in (1, 2):
         (tmp_path / f"step={step}.ckpt").write_bytes(b"x")
@@ -577,7 +577,7 @@ def test_two_fresh_starts_in_one_second_move_their_checkpoints_to_separate_folde
 def test_ckpt_path_last_without_a_last_file_resumes_from_the_newest_step_or_refuses(assets, tmp_path):
     """Lightning's `--ckpt_path=last` looks for last.ckpt only and otherwise starts at step 0 with a warning: here it
     takes the newest complete checkpoint, and in a folder with none it refuses in one line."""
-    from dflash_lightning.checkpointing import CheckpointError
+    from dflash_lightning.long_runs.checkpointing import CheckpointError
 
     config = fault_config(assets, tmp_path, max_steps=4, save_last=False, save_top_k=-1)
     fit(config)

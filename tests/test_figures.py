@@ -12,7 +12,7 @@ from test_cli import run_config  # noqa: F401 (the module-scoped tiny run config
 from dflash_lightning.blocks import build_block_mask, select_anchors
 from dflash_lightning.cli import cli_main
 from dflash_lightning.data.packing import collate_documents
-from dflash_lightning.figures import (
+from dflash_lightning.pictures.figures import (
     bars_figure,
     batch_figure,
     highlighted_html,
@@ -23,7 +23,7 @@ from dflash_lightning.figures import (
     slot_curve_figure,
     step_segments,
 )
-from dflash_lightning.image_logging import ImageLogging
+from dflash_lightning.pictures.image_logging import ImageLogging
 
 
 def test_step_segments_cut_the_tokens_as_the_decoder_emitted_them():

@@ -71,9 +71,32 @@ def test_the_cycle_finder_sees_a_cycle():
 def test_the_graph_sees_lazy_imports():
     graph = import_graph()
     assert "dflash_lightning.commands.cache" in graph["dflash_lightning.cli"]
-    assert "dflash_lightning.target.sharded" in graph["dflash_lightning.target.features"]
+    assert "dflash_lightning.target_model.sharded" in graph["dflash_lightning.target_model.features"]
 
 
 def test_no_import_cycle_in_the_package():
     cycle = find_cycle(import_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_old_module_names_import_the_moved_module_once_with_a_warning():
+    """0.1's flat names still import, as the very module at the new name (classes identical), and warn."""
+    import importlib
+    import sys
+    import warnings
+
+    from dflash_lightning._moved import MOVED
+
+    for old, new in MOVED.items():
+        sys.modules.pop(old, None)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            alias = importlib.import_module(old)
+        assert alias is importlib.import_module(new), old
+        assert alias.__spec__.name == new and any(new in str(w.message) for w in caught), old
+        assert not (ROOT.parent / Path(*old.split("."))).with_suffix(".py").exists(), f"{old} is still a file"
+    from dflash_lightning.target.callback import TargetFeatures
+
+    from dflash_lightning.target_model.callback import TargetFeatures as Current
+
+    assert TargetFeatures is Current

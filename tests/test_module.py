@@ -10,7 +10,7 @@ from helpers import packed_batch
 
 from dflash_lightning.config import ConfigError, DrafterConfig
 from dflash_lightning.module import DFlashModule
-from dflash_lightning.target import FeatureExtractor
+from dflash_lightning.target_model import FeatureExtractor
 
 
 def make_module(target, compile: bool = False, **kw) -> DFlashModule:

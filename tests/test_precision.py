@@ -13,7 +13,7 @@ from test_module import batch_with_features, make_module
 from dflash_lightning.cli import cli_main
 from dflash_lightning.config import ConfigError
 from dflash_lightning.fp8 import require_fp8
-from dflash_lightning.target import FeatureExtractor, TargetFeatures
+from dflash_lightning.target_model import FeatureExtractor, TargetFeatures
 
 
 def test_bf16_mixed_clips_by_norm_with_the_fused_adamw(tiny_target):

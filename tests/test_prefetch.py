@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from dflash_lightning.target import FeaturePrefetcher
+from dflash_lightning.target_model import FeaturePrefetcher
 
 
 class FakeExtractor(nn.Module):
@@ -75,7 +75,7 @@ def test_separate_placement_wraps_only_the_loaders_a_data_module_has(tiny_target
     from lightning.pytorch import LightningDataModule
     from lightning.pytorch.utilities.model_helpers import is_overridden
 
-    from dflash_lightning.target import TargetFeatures
+    from dflash_lightning.target_model import TargetFeatures
 
     class TrainOnly(LightningDataModule):
         def train_dataloader(self):
@@ -84,7 +84,6 @@ def test_separate_placement_wraps_only_the_loaders_a_data_module_has(tiny_target
     data = TrainOnly()
     trainer = SimpleNamespace(datamodule=data, local_rank=0, num_devices=1,
                               strategy=SimpleNamespace(root_device=torch.device("cpu")))
-    module = SimpleNamespace(drafter_config=SimpleNamespace(target_layer_ids=[1]))
-    TargetFeatures(str(tiny_target), "float32", "separate", ["cpu"]).setup(trainer, module, "fit")
+    TargetFeatures(str(tiny_target), "float32", "separate", ["cpu"], layer_ids=[1]).setup(trainer, object(), "fit")
     assert isinstance(data.train_dataloader(), FeaturePrefetcher)
     assert not is_overridden("val_dataloader", data)

@@ -13,7 +13,7 @@ from conftest import make_target
 from helpers import assistant, user, write_jsonl
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import dflash_lightning.regenerate as rg
+import dflash_lightning.regenerate.generate as rg
 from dflash_lightning.cli import cli_main
 
 NEW = 10  # max_new_tokens
@@ -143,7 +143,7 @@ def test_bad_lines_and_corrupt_output_raise(setup, tmp_path):
 def test_the_token_count_is_what_each_row_generated_not_its_padding(tmp_path, capsys):
     """One batch whose answers end apart (a stop string, the limit, the end token, twice): the summary's token count
     is the sum of what each prompt generates alone, unpadded; the padding after a stop string is not counted."""
-    target, limit, stop = Path(rg.__file__).parent / "assets" / "tiny" / "target", 16, ["tuple"]
+    target, limit, stop = Path(rg.__file__).parents[1] / "assets" / "tiny" / "target_model", 16, ["tuple"]
     lines = (target.parent / "data" / "prompts.jsonl").read_text().splitlines()
     prompts = [json.loads(lines[k])["messages"][:1] for k in (0, 2, 5, 6)]
     source = write_jsonl(tmp_path / "prompts.jsonl", [{"messages": m} for m in prompts])

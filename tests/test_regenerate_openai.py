@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 from helpers import assistant, user, write_jsonl
 
-import dflash_lightning.regenerate as rg
-from dflash_lightning.regenerate_openai import ServerError
+import dflash_lightning.regenerate.generate as rg
+from dflash_lightning.regenerate.openai_backend import ServerError
 
-TINY = Path(rg.__file__).parent / "assets" / "tiny" / "target"
+TINY = Path(rg.__file__).parents[1] / "assets" / "tiny" / "target_model"
 NEW = 8  # max_new_tokens
 STARTUP_S = 240  # the server's imports take long on a loaded 2-core machine
 

@@ -18,7 +18,7 @@ from test_cli import small_config
 
 from dflash_lightning.blocks import anchor_seed
 from dflash_lightning.cli import cli_main
-from dflash_lightning.resume import RECORD_KEY, ResumeError, compare
+from dflash_lightning.long_runs.resume import RECORD_KEY, ResumeError, compare
 
 
 @pytest.fixture(scope="module")

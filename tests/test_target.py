@@ -8,7 +8,7 @@ from helpers import packed_batch
 from transformers import AutoModelForCausalLM
 
 from dflash_lightning.blocks import teacher_positions
-from dflash_lightning.target import FeatureExtractor, load_target_io, packed_causal_mask, rank_devices
+from dflash_lightning.target_model import FeatureExtractor, load_target_io, packed_causal_mask, rank_devices
 
 
 # sdpa: our dense device-side mask; eager: transformers' own; packed_flex: flex attention under our BlockMask
@@ -79,8 +79,8 @@ def test_compiled_target_layers_give_the_eager_features_from_one_graph(tiny_targ
 
 
 def test_target_features_compile_the_layers_they_load_when_asked(tiny_target):
-    from dflash_lightning.target import TargetFeatures
-    from dflash_lightning.target.loading import decoder_layers
+    from dflash_lightning.target_model import TargetFeatures
+    from dflash_lightning.target_model.loading import decoder_layers
 
     for compile in (False, True):
         extractor = TargetFeatures(str(tiny_target), "float32", compile=compile).load_extractor("cpu", [1, 3])
@@ -92,17 +92,17 @@ def test_target_compile_is_refused_off_cuda_and_when_sharded(tiny_target):
     from types import SimpleNamespace
 
     from dflash_lightning.config import ConfigError
-    from dflash_lightning.target import TargetFeatures
+    from dflash_lightning.target_model import TargetFeatures
 
     with pytest.raises(ConfigError, match="target.compile: not with placement 'sharded'"):
         TargetFeatures(str(tiny_target), placement="sharded", compile=True)
     trainer = SimpleNamespace(datamodule=None, strategy=SimpleNamespace(root_device=torch.device("cpu")))
-    module = SimpleNamespace(drafter_config=SimpleNamespace(target_layer_ids=[1]))
-    callback = TargetFeatures(str(tiny_target), "float32", compile=True)
+    module = object()
+    callback = TargetFeatures(str(tiny_target), "float32", compile=True, layer_ids=[1])
     callback.load_extractor = lambda *a, **k: pytest.fail("the target loaded before the refusal")
     with pytest.raises(ConfigError, match="target.compile: compiles the target's layers on CUDA GPUs, .* on cpu"):
         callback.setup(trainer, module, "fit")
-    separate = TargetFeatures(str(tiny_target), "float32", "separate", ["cpu"], compile=True)
+    separate = TargetFeatures(str(tiny_target), "float32", "separate", ["cpu"], compile=True, layer_ids=[1])
     with pytest.raises(ConfigError, match="target.compile: .* on cpu"):
         separate.setup(trainer, module, "fit")
 
@@ -119,7 +119,7 @@ def test_packed_causal_block_mask_is_the_dense_mask_in_tiles(docs, total, tile):
     """Its mask_mod is the dense mask element by element; its tiles are create_block_mask's of that mask_mod."""
     from torch.nn.attention.flex_attention import create_block_mask, create_mask
 
-    from dflash_lightning.target.features import packed_causal_block_mask
+    from dflash_lightning.target_model.features import packed_causal_block_mask
 
     positions = packed_batch(docs, total)["position_ids"]  # padding is one more document
     ours = packed_causal_block_mask(positions, tile)
@@ -137,7 +137,7 @@ def test_packed_causal_block_mask_is_the_dense_mask_in_tiles(docs, total, tile):
 
 
 def test_auto_attention_is_packed_flex_on_gpus_and_dense_on_the_cpu():
-    from dflash_lightning.target.features import PACKED_FLEX, attention_for
+    from dflash_lightning.target_model.features import PACKED_FLEX, attention_for
 
     assert attention_for("auto", torch.device("cuda", 0)) == PACKED_FLEX
     assert attention_for("auto", torch.device("cpu")) == "sdpa"
@@ -164,13 +164,12 @@ def test_target_devices_are_dealt_out_among_a_nodes_ranks():
 def test_sharded_placement_without_several_ranks_is_refused_naming_the_field(tiny_target):
     from types import SimpleNamespace
 
-    from dflash_lightning.target import TargetFeatures
+    from dflash_lightning.target_model import TargetFeatures
 
     trainer = SimpleNamespace(datamodule=None, num_nodes=1, num_devices=1,
                               strategy=SimpleNamespace(root_device=torch.device("cpu")))
-    module = SimpleNamespace(drafter_config=SimpleNamespace(target_layer_ids=[1]))
     with pytest.raises(ValueError, match="target.placement 'sharded' needs a distributed strategy"):
-        TargetFeatures(str(tiny_target), "float32", "sharded").setup(trainer, module, "fit")
+        TargetFeatures(str(tiny_target), "float32", "sharded", layer_ids=[1]).setup(trainer, object(), "fit")
 
 
 def test_weight_map_reads_an_index_or_one_file_and_names_a_folder_without_weights(tiny_target, tmp_path):
@@ -178,7 +177,7 @@ def test_weight_map_reads_an_index_or_one_file_and_names_a_folder_without_weight
 
     from safetensors.torch import save_file
 
-    from dflash_lightning.target import weight_map
+    from dflash_lightning.target_model import weight_map
 
     one = weight_map(tiny_target)
     assert set(one.values()) == {"model.safetensors"} and "lm_head.weight" in one

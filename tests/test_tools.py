@@ -23,5 +23,5 @@ def test_build_tiny_runs_from_the_repository_and_writes_into_the_package_assets(
 def test_the_package_holds_the_tiny_assets_but_not_the_script_that_made_them():
     """The wheel ships `dflash_lightning/` (pyproject's package-data: assets/**/*); the builder lives in tools/."""
     assets = Path(dflash_lightning.__file__).parent / "assets"
-    assert (assets / "tiny" / "target" / "model.safetensors").is_file()
+    assert (assets / "tiny" / "target_model" / "model.safetensors").is_file()
     assert sorted(p.name for p in assets.rglob("*.py")) == ["__init__.py"]

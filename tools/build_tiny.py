@@ -676,7 +676,7 @@ count is `round(minutes * {STEPS_PER_MINUTE})` = {info["steps"]} steps, not a cl
 |---|---|
 {rows}
 
-- `target/`: `Qwen3ForCausalLM` (safetensors, float32), its tokenizer (byte-level BPE, {n_tok} tokens \
+- `target_model/`: `Qwen3ForCausalLM` (safetensors, float32), its tokenizer (byte-level BPE, {n_tok} tokens \
 including `<|endoftext|>`, `<|im_start|>`, `<|im_end|>`; Qwen-style ChatML chat template, which accepts and \
 ignores `enable_thinking`; eos `<|im_end|>`, pad `<|endoftext|>`) and a greedy `generation_config.json`. \
 `vocab_size` {cfg["vocab_size"]} > len(tokenizer) {n_tok}: id {n_tok} is an embedding row the tokenizer never \
@@ -776,7 +776,7 @@ def _build(out: Path, minutes: float, seed: int, threads: int, steps: int | None
     epochs = seen / n_tokens
     train_seconds = time.time() - t0
 
-    target_dir = out / "target"
+    target_dir = out / "target_model"
     if target_dir.exists():
         shutil.rmtree(target_dir)
     model.generation_config = GenerationConfig(

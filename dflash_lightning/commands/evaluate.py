@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from jsonargparse import auto_cli
 
-from dflash_lightning.evaluate import evaluate_drafter
+from dflash_lightning.decoding.evaluate import evaluate_drafter
 
 
 def main(argv: Sequence[str] | None = None) -> None:

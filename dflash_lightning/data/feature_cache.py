@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import Tensor
 
-from dflash_lightning.fingerprints import sha256_path, target_fingerprint, tokenizer_sha256
+from dflash_lightning.target_model.fingerprints import sha256_path, target_fingerprint, tokenizer_sha256
 
 if TYPE_CHECKING:
     from lightning.pytorch import LightningDataModule

@@ -19,7 +19,6 @@ from lightning.pytorch import Callback, LightningDataModule, LightningModule, Tr
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
-from dflash_lightning.atomic import write_atomic, write_json
 from dflash_lightning.data.feature_cache import (
     COMPARED,
     MANIFEST,
@@ -34,8 +33,9 @@ from dflash_lightning.data.feature_cache import (
     sample_checksums,
     target_header,
 )
-from dflash_lightning.fingerprints import sha256_path
-from dflash_lightning.target import DTYPES, FeatureExtractor
+from dflash_lightning.long_runs.atomic import write_atomic, write_json
+from dflash_lightning.target_model import DTYPES, FeatureExtractor
+from dflash_lightning.target_model.fingerprints import sha256_path
 
 if TYPE_CHECKING:
     from dflash_lightning.data.conversations import TokenizedSamples

@@ -1,1 +1,3 @@
-"""The modelling file shipped inside exported drafter folders (copied, never imported by the package)."""
+"""The modelling file that export copies into every drafter folder; decoding imports its verification rule from it,
+so that evaluated and served drafts are accepted by one implementation.
+"""

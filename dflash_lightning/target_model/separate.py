@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from dflash_lightning.target.features import FeatureExtractor
+    from dflash_lightning.target_model.features import FeatureExtractor
 
 
 class FeaturePrefetcher:

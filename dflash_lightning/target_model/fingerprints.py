@@ -9,7 +9,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from dflash_lightning.target.loading import resolve_model_dir
+from dflash_lightning.target_model.loading import resolve_model_dir
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from dflash_lightning.target.loading import decoder_layers, weight_map
+from dflash_lightning.target_model.loading import decoder_layers, weight_map
 
 if TYPE_CHECKING:
     from lightning.pytorch import Trainer

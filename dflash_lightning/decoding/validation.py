@@ -14,7 +14,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 
 from dflash_lightning.fp8 import without_fp8
 from dflash_lightning.hf.modeling_dflash import check_sampling
-from dflash_lightning.target import DTYPES, resolve_model_dir
+from dflash_lightning.target_model import DTYPES, resolve_model_dir
 
 
 class SpeculativeValidation(Callback):
@@ -58,7 +58,7 @@ class SpeculativeValidation(Callback):
         self.model = self.tokenizer = self.prompts = None
         self.last_step = -1
         if self.enabled:
-            from dflash_lightning.evaluate import read_prompts
+            from dflash_lightning.decoding.evaluate import read_prompts
 
             self.prompts = read_prompts(prompts, num_prompts)  # a bad file fails before any training
 
@@ -76,7 +76,7 @@ class SpeculativeValidation(Callback):
         if not trainer.is_global_zero or trainer.global_step == self.last_step:
             return None
         self.last_step = trainer.global_step
-        from dflash_lightning.evaluate import evaluate
+        from dflash_lightning.decoding.evaluate import evaluate
 
         drafter = without_fp8(pl_module.drafter)  # decoded as served: plain linears over the same weights
         if self.model is None:

@@ -16,8 +16,8 @@ from torch.nn.attention.flex_attention import BlockMask
 from dflash_lightning.blocks import interval_block_mask
 from dflash_lightning.config import ConfigError
 from dflash_lightning.model import masked_attention
-from dflash_lightning.target.loading import decoder_layers, resolve_model_dir
-from dflash_lightning.target.sharded import sharded_model
+from dflash_lightning.target_model.loading import decoder_layers, resolve_model_dir
+from dflash_lightning.target_model.sharded import sharded_model
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

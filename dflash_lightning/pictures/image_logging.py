@@ -9,8 +9,8 @@ from typing import Any
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import Logger, MLFlowLogger, TensorBoardLogger
 
-from dflash_lightning.figures import figure_to_array, histogram_figure, slot_curve_figure
-from dflash_lightning.validation import SpeculativeValidation
+from dflash_lightning.decoding.validation import SpeculativeValidation
+from dflash_lightning.pictures.figures import figure_to_array, histogram_figure, slot_curve_figure
 
 
 def log_figure(logger: Logger, tag: str, fig: Any, step: int) -> bool:

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dflash_lightning.speculative import counted_tokens
+from dflash_lightning.decoding.speculative import counted_tokens
 
 # One colour per decode step in highlighted text (cycled), light enough to read black text on.
 STEP_COLOURS = ("#ffd6a5", "#caffbf", "#9bf6ff", "#bdb2ff", "#ffc6ff", "#fdffb6", "#a0c4ff", "#ffadad")

@@ -18,6 +18,8 @@ from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from dflash_lightning import lightning_compat as compat
+
 log = logging.getLogger(__name__)
 
 
@@ -97,7 +99,7 @@ class Preemption(Callback):
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if trainer.fit_loop.epoch_loop._should_accumulate():
+        if compat.inside_accumulation(trainer):
             return  # inside a gradient accumulation: its gradients are not saved, so stop at the optimizer step
         signum = self._agreed_signal()
         if not signum:
@@ -116,16 +118,16 @@ class Preemption(Callback):
         keep-last-K rotation); returns its path."""
         callbacks = [c for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint)]
         for cb in callbacks:
-            if cb._last_global_step_saved == trainer.global_step:  # it saved this very step already
-                return cb.last_model_path or cb._last_checkpoint_saved
+            if compat.saved_step(cb) == trainer.global_step:  # it saved this very step already
+                return cb.last_model_path or compat.saved_path(cb)
         for cb in callbacks:
             # what ModelCheckpoint does on a step it saves at (Lightning has no public "save now")
-            candidates = cb._monitor_candidates(trainer)
+            candidates = compat.monitor_candidates(cb, trainer)
             if cb.monitor is None or cb.monitor in candidates:
-                cb._save_topk_checkpoint(trainer, candidates)
-            cb._save_last_checkpoint(trainer, candidates)
-            if cb._last_global_step_saved == trainer.global_step:
-                return cb.last_model_path or cb._last_checkpoint_saved
+                compat.save_top_k(cb, trainer, candidates)
+            compat.save_last(cb, trainer, candidates)
+            if compat.saved_step(cb) == trainer.global_step:
+                return cb.last_model_path or compat.saved_path(cb)
         folder = callbacks[0].dirpath if callbacks and callbacks[0].dirpath else os.path.join(
             trainer.default_root_dir, "checkpoints")
         path = os.path.join(folder, f"preempted-step={trainer.global_step}.ckpt")

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from dflash_lightning.data.conversations import Message
-from dflash_lightning.regenerate_output import Conversation, OrderedWriter
+from dflash_lightning.regenerate.output import Conversation, OrderedWriter
 
 # Records finished ahead of the oldest unfinished one wait in memory until it is written: at most this many per
 # conversation in flight (a long conversation at the head stalls new ones only after that).

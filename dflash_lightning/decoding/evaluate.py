@@ -16,9 +16,9 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from dflash_lightning.decoding.speculative import SpeculativeDecoder
 from dflash_lightning.hf.modeling_dflash import check_sampling
 from dflash_lightning.model import DFlashDrafter
-from dflash_lightning.speculative import SpeculativeDecoder
 
 
 def prompt_ids(tokenizer: Any, row: dict[str, Any], enable_thinking: bool = False) -> list[int]:
@@ -181,7 +181,7 @@ def summarize(records: list[dict[str, Any]], block_size: int, max_new_tokens: in
 
 def plot_report(runs: list[dict[str, Any]], path: str | Path) -> None:
     """report.png (`figures.report_figure`) of the reports of `evaluate`, one series per temperature."""
-    from dflash_lightning.figures import report_figure
+    from dflash_lightning.pictures.figures import report_figure
 
     report_figure(runs).savefig(path, dpi=120)
 
@@ -293,7 +293,7 @@ def evaluate_drafter(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dflash_lightning.export import build_drafter, read_drafter
-    from dflash_lightning.target import DTYPES, resolve_model_dir
+    from dflash_lightning.target_model import DTYPES, resolve_model_dir
 
     temperatures = parse_temperatures(temperature)
     check_sampling(1.0, top_p, top_k)  # settings are refused before anything is loaded
