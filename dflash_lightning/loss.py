@@ -41,6 +41,10 @@ class LossSettings:
     """DFlash2: weight of the candidate selector's K-way CE in the total loss (docs/method.md section 10)."""
 
     def __post_init__(self) -> None:
+        if any(isinstance(value, torch.fx.Proxy) for value in vars(self).values()):
+            # torch 2.7's Dynamo rebuilds these settings from traced values when it recompiles for a new
+            # temperature; the settings it copies were checked when made
+            return
         if self.objective not in OBJECTIVES:
             raise ConfigError(f"objective must be one of {OBJECTIVES}, got '{self.objective}'")
         if self.loss_weights not in LOSS_WEIGHTS:

@@ -15,6 +15,13 @@ from dflash_lightning.config import ConfigError
 from dflash_lightning.fp8 import require_fp8
 from dflash_lightning.target_model import FeatureExtractor, TargetFeatures
 
+# The FP8 matmuls of these tests run on torchao's CPU path, which needs a CPU kernel of `aten::_scaled_mm`: torch
+# 2.13 and 2.15 have one, 2.7.1 has none. FP8 itself is for GPUs of compute capability >= 8.9 (`require_fp8`).
+needs_cpu_fp8 = pytest.mark.skipif(
+    not torch._C._dispatch_has_kernel_for_dispatch_key("aten::_scaled_mm", "CPU"),
+    reason=f"torch {torch.__version__} has no CPU kernel of aten::_scaled_mm (FP8 matmul); FP8 runs on Hopper GPUs",
+)
+
 
 def test_bf16_mixed_clips_by_norm_with_the_fused_adamw(tiny_target):
     """Lightning refuses clipping with a fused AdamW under any AMP plugin; bf16 has no scaler, so the module clips."""
@@ -67,6 +74,7 @@ def test_fp8_through_the_cli_on_cpu_stops_before_the_target_loads(run_config, mo
         TargetFeatures("unused", placement="sharded", fp8=True)
 
 
+@needs_cpu_fp8
 def test_fp8_head_and_linears_follow_the_bf16_loss(tiny_target, monkeypatch):
     """torchao's FP8 path (its CPU fallback here): same parameter names, loss and gradient close to bf16."""
     pytest.importorskip("torchao")
@@ -89,6 +97,7 @@ def test_fp8_head_and_linears_follow_the_bf16_loss(tiny_target, monkeypatch):
     assert torch.nn.functional.cosine_similarity(grads[0].flatten(), grads[1].flatten(), dim=0) > 0.95
 
 
+@needs_cpu_fp8
 def test_fp8_target_changes_its_linears_not_the_compiler_settings(tiny_target, monkeypatch):
     """Quantizing the target leaves inductor's tuning and the fp32 matmul precision as they were: torchao's
     defaults turn on coordinate-descent tuning for every later compile (the drafter's FP8 pipeline stalled)."""
