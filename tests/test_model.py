@@ -181,6 +181,22 @@ def test_objectives_chunked_match_the_dense_reference(settings, chunk):
     torch.testing.assert_close(grad, ref_grad, rtol=1e-6, atol=1e-7)
 
 
+
+def test_the_compiled_loss_follows_a_change_of_temperature():
+    """One process compiling the loss at one temperature, then others (torch 2.7's Dynamo rebuilt the settings from
+    traced values on the recompile, and their checks raised a TraceError)."""
+    torch._dynamo.reset()  # this test's first call compiles, the next ones recompile
+    g = torch.Generator().manual_seed(0)
+    hidden, head, final = (torch.randn(n, 16, dtype=torch.float64, generator=g) for n in (8, 50, 8))
+    hidden.requires_grad_()  # Dynamo traces the loss's autograd function as a subgraph only then
+    labels, rows = torch.randint(0, 50, (8,), generator=g), torch.arange(8)
+    weights = torch.rand(8, dtype=torch.float64, generator=g)
+    compiled = torch.compile(chunked_head_loss, backend="eager")
+    for tau in (1.0, 1.5, 2.0):
+        settings = LossSettings("kl", "decay", temperature=tau)
+        args = (hidden, head, labels, weights, 4, 0, 1, settings, final, rows)
+        torch.testing.assert_close(compiled(*args)[0], chunked_head_loss(*args)[0])
+
 def test_training_forward_loss_and_weights():
     drafter = tiny_drafter(block=8)
     batch = packed_batch([30, 18], 64, seed=1)
