@@ -120,7 +120,7 @@ def set_last_lr(scheduler: Any, lrs: list[float]) -> None:
 
 class TypedSettingsCLI(LightningCLI):
     """LightningCLI that keeps the typed settings when `--ckpt_path` is given: Lightning's replaces the model's by
-    the checkpoint's hyper-parameters in `_parse_ckpt_path`, with no switch to turn that off."""
+    the checkpoint's hyper-parameters in `_parse_ckpt_path` (from 2.5.5 on), with no switch to turn that off."""
 
     def _parse_ckpt_path(self) -> None:
         """Nothing: the module compares the checkpoint's settings with these when it loads it (long_runs/resume.py)."""
