@@ -454,6 +454,73 @@ def test_automatic_resume_falls_back_past_a_damaged_newest_checkpoint(good_check
     assert sorted(p.name for p in folder.glob("*.damaged")) == ["last.ckpt.damaged", "step=4.ckpt.damaged"]
 
 
+def flip_a_bit_inside(path: Path, key: str, out: Path) -> Path:
+    """A copy of a checkpoint with one bit flipped in the middle of a tensor's bytes (not in the zip's records)."""
+    data = bytearray(path.read_bytes())
+    raw = torch.load(path, weights_only=True)["state_dict"][key].numpy().tobytes()
+    at = data.find(raw)
+    assert at > 0 and data.find(raw, at + 1) < 0
+    data[at + len(raw) // 2] ^= 0x10
+    out.write_bytes(bytes(data))
+    return out
+
+
+def test_flipped_bits_inside_a_tensor_are_refused_by_fit_export_and_evaluate(good_checkpoints, tmp_path):
+    """torch.load reads such a file without a word; the checksums stored at the save name the damaged tensor."""
+    good = good_checkpoints / "checkpoints" / "step=4.ckpt"
+    assert len(load_checkpoint(good)["dflash_checksums"]) > 20  # weights and optimizer moments
+    bad = flip_a_bit_inside(good, "drafter.fc.weight", tmp_path / "flipped.ckpt")
+    expected = f"{bad}: damaged: tensor 'state_dict/drafter.fc.weight' fails its checksum"
+    for load in (lambda: export_checkpoint(bad, tmp_path / "hf"), lambda: read_drafter(bad)):  # export, evaluate
+        with pytest.raises(CheckpointError) as err:
+            load()
+        assert str(err.value).startswith(expected) and "\n" not in str(err.value)
+    with pytest.raises(CheckpointError, match=f"^{expected}"):
+        cli_main(["fit", "--config", str(good_checkpoints / "input.yaml"), f"--ckpt_path={bad}"])
+    run = subprocess.run([sys.executable, "-m", "dflash_lightning", "export", "--checkpoint", str(bad),
+                          "--out", str(tmp_path / "hf")], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    lines = run.stderr.strip().splitlines()
+    assert run.returncode == 1 and len(lines) == 1 and lines[0].startswith(f"error: {expected}"), run.stderr[-2000:]
+    assert not (tmp_path / "hf").exists()
+
+
+def test_automatic_resume_falls_back_past_flipped_bits_in_the_newest_checkpoint(good_checkpoints, tmp_path, caplog):
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    (folder / "step=2.ckpt").write_bytes((good_checkpoints / "checkpoints" / "step=2.ckpt").read_bytes())
+    for name in ("step=4.ckpt", "last.ckpt"):
+        flip_a_bit_inside(good_checkpoints / "checkpoints" / name, "drafter.norm.weight", folder / name)
+    raw = yaml.safe_load((good_checkpoints / "input.yaml").read_text())
+    raw["trainer"]["callbacks"][0]["init_args"]["dirpath"] = str(folder)
+    raw["trainer"].update(max_steps=3, default_root_dir=str(tmp_path))
+    (tmp_path / "input.yaml").write_text(yaml.safe_dump(raw))
+    cli = fit(tmp_path / "input.yaml")
+    assert cli.trainer.global_step == 3 and f"resuming from {folder / 'step=2.ckpt'}" in caplog.text
+    assert "tensor 'state_dict/drafter.norm.weight' fails its checksum" in caplog.text
+    assert sorted(p.name for p in folder.glob("*.damaged")) == ["last.ckpt.damaged", "step=4.ckpt.damaged"]
+
+
+def test_tensor_checksums_are_the_same_rule_on_any_layout_and_catch_one_bit():
+    """The stored value is the wrapping int64 sum of the bytes as words, whatever the dtype, shape or view."""
+    from dflash_lightning.long_runs.checkpointing import tensor_checksum
+
+    def reference(t: torch.Tensor) -> int:
+        raw = t.contiguous().view(torch.uint8).numpy().tobytes()
+        raw += bytes(-len(raw) % 8)
+        words = [int.from_bytes(raw[i:i + 8], "little", signed=False) for i in range(0, len(raw), 8)]
+        total = sum(words) % 2**64
+        return total - 2**64 if total >= 2**63 else total
+
+    base = torch.randn(7, 13)
+    for t in (base, base.T, base[1:, 3:], base.bfloat16(), base[0, :3], torch.arange(5, dtype=torch.int32),
+              torch.tensor([True, False, True]), torch.zeros(0)):
+        assert int(tensor_checksum(t)) == reference(t), t.dtype
+    flipped = base.clone()
+    flipped.view(torch.int32)[3, 4] ^= 1 << 9
+    assert tensor_checksum(flipped) != tensor_checksum(base)
+
+
 # ------------------------------------------------------------------------------------------- 8: export writes
 
 
