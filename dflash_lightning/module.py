@@ -91,6 +91,7 @@ class DFlashModule(LightningModule):
         temperature: float = LossSettings.temperature,
         selector_alpha: float = LossSettings.selector_alpha,
         init_from: str | None = None,
+        accept_target_change: bool = False,
         nonfinite: Literal["skip", "stop"] = "skip",
         max_nonfinite_in_a_row: int = 16,
         fp8: Literal["none", "head", "all"] = "none",
@@ -127,6 +128,9 @@ class DFlashModule(LightningModule):
             init_from: Warm start: a drafter `.ckpt` or exported folder (ours or published) whose weights start this
                 run. A DFlash drafter may start a DFlash2 run: its convolutions start as the identity and its selector
                 fresh, so at step 0 both draft the same unary logits. Ignored when a checkpoint is resumed.
+            accept_target_change: Go on (with one logged line) where the checkpoint resumed or validated, or the
+                feature cache read, was made with other target weights of the same config (a fine-tune): by default
+                refused, as the drafter was trained for, or the features come from, the other weights.
             nonfinite: A step whose loss or gradient norm is NaN/Inf never updates the weights or the optimizer
                 state (decided on the device). skip: count it (`train/skipped_steps`, read every `metrics_every`
                 steps) and go on; stop: skip every update from then on and raise, naming the step and the batch's
@@ -416,7 +420,9 @@ class DFlashModule(LightningModule):
         trainer = self._trainer
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         saved = checkpoint.get(resume.RECORD_KEY)
-        resume.check_resume(saved, self.run_record(), getattr(trainer, "ckpt_path", None), fitting)
+        path = getattr(trainer, "ckpt_path", None)
+        resume.check_resume(saved, self.run_record(), path, fitting, self.hparams.accept_target_change)
+        resume.check_weights(checkpoint, self.state_dict(), self.drafter_config.to_dict(), path)
         if fitting and saved is not None:
             old_world = saved.get("trainer.world_size", trainer.world_size)
             resume.rescale_loop_progress(checkpoint, old_world, trainer.world_size)

@@ -288,7 +288,7 @@ class DFlashDataModule(LightningDataModule):
         drafter = getattr(module, "drafter_config", None)
         if drafter is not None:  # the features must be those of the drafter's target and layers
             expected |= target_header(module.hparams.target, drafter.target_layer_ids, drafter.hidden_size)
-        cache.check(expected)
+        cache.check(expected, getattr(getattr(module, "hparams", None), "accept_target_change", False))
         final = getattr(getattr(module, "loss_settings", None), "distills", False)  # distillation's teacher
         for split in splits:
             self._features[split] = cache.split(split, final)
