@@ -17,6 +17,7 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 
 from dflash_lightning.blocks import anchor_seed, base_slot_weights, select_anchors
@@ -281,6 +282,24 @@ class DFlashModule(LightningModule):
 
     def on_train_end(self) -> None:
         self._check_nonfinite()  # the steps after the last metrics read
+        self._summarise_steps()
+
+    def _summarise_steps(self) -> None:
+        """One line on the steps this process trained and skipped; more than half of them skipped fails the run (after
+        its last checkpoint): its drafter barely trained, though no rule above stopped it."""
+        skipped, _, first, seen = self.nonfinite_counts.tolist()
+        if not seen:
+            return
+        start = self._first_step
+        line = f"steps {start}..{start + seen - 1} of this fit: {seen - skipped} trained, {skipped} skipped as non-finite"
+        if skipped:
+            line += f" (the first at step {start + first})"
+        if 2 * skipped > seen:
+            raise NonFiniteError(
+                f"{line}: more than half, so the drafter barely trained; lower model.lr ({self.hparams.lr:g}) or "
+                f"look at the records of step {start + first}: {self._batch_sources(start + first)}"
+            )
+        rank_zero_info(line)
 
     def _check_nonfinite(self, skipped: int | None = None, in_a_row: int | None = None) -> None:
         """Raise `NonFiniteError` as `nonfinite` says, from counts the host already has (else one copy)."""

@@ -345,9 +345,10 @@ def poison(key: str, steps: list[int]) -> list[dict]:
     return [{"class_path": "test_faults.Poison", "init_args": {"key": key, "steps": steps}}]
 
 
-def test_nan_features_skip_the_update_and_training_goes_on(assets, tmp_path):
+def test_nan_features_skip_the_update_and_training_goes_on(assets, tmp_path, caplog):
     config = fault_config(assets, tmp_path, max_steps=5, callbacks=poison("skip", [2]))
     cli = fit(config)
+    assert "steps 0..4 of this fit: 4 trained, 1 skipped as non-finite (the first at step 2)" in caplog.text
     before, _, after = EVENTS["skip"]
     assert before.keys() == after.keys() and any(k.endswith("exp_avg") for k in before)
     for name in before:  # weights, moments and step count of the poisoned step: all as they were
@@ -372,6 +373,21 @@ def test_nan_features_under_stop_raise_naming_the_step_and_its_records(assets, t
     assert saved and max(saved) <= 3, saved
 
 
+def test_a_fit_that_skipped_most_of_its_steps_fails_in_one_line(assets, tmp_path):
+    """lr 1e30: the first step blows the weights up, every later one is non-finite and skipped, though never 16 in a
+    row; more than half of the steps skipped is a failed run (exit 1), its checkpoints kept; half is not."""
+    config = fault_config(assets, tmp_path / "a", max_steps=6)
+    out = subprocess.run([sys.executable, "-m", "dflash_lightning", "fit", "--config", str(config),
+                          "--model.lr=1e30"], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert lines[-1].startswith("error: steps 0..5 of this fit: 1 trained, 5 skipped as non-finite (the first at "
+                                "step 1): more than half, so the drafter barely trained; lower model.lr (1e+30)")
+    assert load_checkpoint(tmp_path / "a" / "checkpoints" / "last.ckpt")["global_step"] == 6
+    cli = fit(fault_config(assets, tmp_path / "b", max_steps=4, callbacks=poison("half", [1, 2])))
+    assert cli.trainer.global_step == 4
+
+
 def test_too_many_nonfinite_steps_in_a_row_stop_the_run(assets, tmp_path):
     config = fault_config(assets, tmp_path, max_steps=8, callbacks=poison("row", [1, 2, 3, 4]))
     with pytest.raises(NonFiniteError, match="3 steps in a row, through step 3"):
@@ -390,6 +406,7 @@ def test_export_refuses_a_checkpoint_with_nonfinite_weights(assets, tmp_path):
     fit(fault_config(assets, tmp_path, max_steps=2))
     ckpt = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)
     ckpt["state_dict"]["drafter.norm.weight"][0] = float("inf")
+    del ckpt["dflash_checksums"]
     torch.save(ckpt, tmp_path / "bad.ckpt")  # as if written by other code
     with pytest.raises(CheckpointError, match="non-finite weights .*norm.weight"):
         export_checkpoint(tmp_path / "bad.ckpt", tmp_path / "hf")
@@ -483,6 +500,10 @@ def test_flipped_bits_inside_a_tensor_are_refused_by_fit_export_and_evaluate(goo
     lines = run.stderr.strip().splitlines()
     assert run.returncode == 1 and len(lines) == 1 and lines[0].startswith(f"error: {expected}"), run.stderr[-2000:]
     assert not (tmp_path / "hf").exists()
+    edited = torch.load(good, weights_only=True)
+    del edited["optimizer_states"]  # an edit that keeps the checksums but changes no stored tensor's bytes
+    torch.save(edited, tmp_path / "weights-only.ckpt")
+    assert read_drafter(tmp_path / "weights-only.ckpt")[1].keys()
 
 
 def test_automatic_resume_falls_back_past_flipped_bits_in_the_newest_checkpoint(good_checkpoints, tmp_path, caplog):
