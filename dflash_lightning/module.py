@@ -291,7 +291,8 @@ class DFlashModule(LightningModule):
         if not seen:
             return
         start = self._first_step
-        line = f"steps {start}..{start + seen - 1} of this fit: {seen - skipped} trained, {skipped} skipped as non-finite"
+        line = (f"steps {start}..{start + seen - 1} of this fit: {seen - skipped} trained, {skipped} skipped as "
+                "non-finite")
         if skipped:
             line += f" (the first at step {start + first})"
         if 2 * skipped > seen:

@@ -377,8 +377,8 @@ def test_a_fit_that_skipped_most_of_its_steps_fails_in_one_line(assets, tmp_path
     """lr 1e30: the first step blows the weights up, every later one is non-finite and skipped, though never 16 in a
     row; more than half of the steps skipped is a failed run (exit 1), its checkpoints kept; half is not."""
     config = fault_config(assets, tmp_path / "a", max_steps=6)
-    out = subprocess.run([sys.executable, "-m", "dflash_lightning", "fit", "--config", str(config),
-                          "--model.lr=1e30"], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    out = subprocess.run([sys.executable, "-m", "dflash_lightning", "fit", "--config", str(config), "--model.lr=1e30"],
+                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
     assert lines[-1].startswith("error: steps 0..5 of this fit: 1 trained, 5 skipped as non-finite (the first at "

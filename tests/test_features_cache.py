@@ -22,8 +22,8 @@ from dflash_lightning.config import ConfigError, DrafterConfig
 from dflash_lightning.data import DFlashDataModule
 from dflash_lightning.data.feature_cache import FeatureCache, FeatureCacheError, dequantize, quantize_fp8
 from dflash_lightning.module import DFlashModule
-from dflash_lightning.target_model.fingerprints import TargetChangedError
 from dflash_lightning.target_model import FeatureExtractor, TargetFeatures
+from dflash_lightning.target_model.fingerprints import TargetChangedError
 
 LAYER_IDS = [1, 3]  # the default for a 2-layer drafter on a 6-layer target
 SHARD_GB = "0.00008"  # ~80 KB: the 40 training samples spread over several shards
