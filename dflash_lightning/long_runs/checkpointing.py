@@ -64,8 +64,8 @@ def _named_tensors(obj: Any, prefix: str = "") -> Iterator[tuple[str, Tensor]]:
 def tensor_checksum(t: Tensor) -> Tensor:
     """The sum, wrapping at 2**64, of a tensor's bytes read as int64 words (the tail zero-padded): a 0-dim int64 on
     the tensor's device, the same on every device (integer sums do not depend on their order). Any flipped bit and
-    any zeroed or overwritten range change it; 8-byte words swapped within the tensor do not. About 4 GiB/s on one
-    CPU core, memory-bound on a GPU."""
+    any zeroed or overwritten range change it; 8-byte words swapped within the tensor do not. 4-14 GB/s on one CPU
+    core (0.07-0.25 s per GB), memory-bound on a GPU."""
     data = t.detach().contiguous().reshape(-1).view(torch.uint8)
     tail = data.numel() % 8
     if tail or data.storage_offset() % 8:
