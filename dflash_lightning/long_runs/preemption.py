@@ -25,6 +25,7 @@ from dflash_lightning.long_runs.async_save import (
     innermost,
     wait_for_writes,
 )
+from dflash_lightning.long_runs.checkpointing import _size
 
 log = logging.getLogger(__name__)
 
@@ -123,9 +124,8 @@ class Preemption(Callback):
             return
         self.received = signum
         name = signal.Signals(signum).name
-        wait_for_writes(trainer)  # a periodic save in flight is completed first (a failed one stops here)
-        path = self.save(trainer)
-        wait_for_writes(trainer)  # the preemption save is complete before the exit status says so
+        path = self.save(trainer)  # a background CheckpointIO first completes the periodic save in flight
+        wait_for_writes(trainer)  # then its own: complete (or its error raised) before the exit status says saved
         if self.requeue and signum == signal.SIGUSR1 and SLURMEnvironment.detect() and trainer.is_global_zero:
             _slurm_requeue()
         code = retry_code(signum)
@@ -161,8 +161,8 @@ class Preemption(Callback):
         io = trainer.strategy.checkpoint_io
         how = "in the background (AsyncAtomicCheckpointIO)" if isinstance(io, AsyncAtomicCheckpointIO) else (
             f"synchronously ({type(io).__name__})")
-        optimizer = f"{_gb(state)} optimizer state" if state >= 0 else "optimizer state of unknown size"
-        rank_zero_info(f"checkpoints: about {_gb(weights + max(state, 0))} each ({_gb(weights)} weights + "
+        optimizer = f"{_size(state)} optimizer state" if state >= 0 else "optimizer state of unknown size"
+        rank_zero_info(f"checkpoints: about {_size(weights + max(state, 0))} each ({_size(weights)} weights + "
                        f"{optimizer}), written {how}")
 
     def _report_write(self, trainer: Trainer) -> None:
@@ -175,8 +175,8 @@ class Preemption(Callback):
         nbytes, seconds = written
         background = isinstance(io, AsyncAtomicCheckpointIO) and bool(io.timings)
         stall = f"; training stalled {io.timings[0].stall_s:.2f} s" if background else ""
-        rank_zero_info(f"checkpoint written: {_gb(nbytes)} in {seconds:.1f} s ({nbytes / max(seconds, 1e-9) / 1e9:.2f} "
-                       f"GB/s){stall}")
+        rank_zero_info(f"checkpoint written: {_size(nbytes)} in {seconds:.1f} s "
+                       f"({nbytes / max(seconds, 1e-9) / 1e6:,.0f} MB/s){stall}")
         # a preemption save waits for a periodic one in flight, then writes its own
         worst = 2 * seconds if background else seconds
         if worst > self.grace_s:
@@ -184,10 +184,6 @@ class Preemption(Callback):
                         + (f" (up to {worst:.0f} s with a periodic save in flight)" if background else "")
                         + ", longer than the scheduler waits after its signal: give the job a longer grace period "
                         "(Kubernetes terminationGracePeriodSeconds, SLURM --signal=USR1@<s>) and set grace_s to it")
-
-
-def _gb(n: int) -> str:
-    return f"{n / 1e9:.2f} GB"
 
 
 def _slurm_requeue() -> None:
