@@ -247,6 +247,14 @@ def test_a_failed_preemption_write_is_an_error_not_a_retry(assets, tmp_path):
     assert steps_in(tmp_path / "checkpoints") == {"last.ckpt": 2, "step=2.ckpt": 2}
 
 
+def test_a_failed_write_of_the_last_save_is_raised_when_the_run_ends(assets, tmp_path):
+    """The write of the final step fails after training has ended: `fit` waits for it and raises its error."""
+    config = async_config(assets, tmp_path, max_steps=4, callbacks=[cb("SlowWrites", delay=0.5, fail_at=2)])
+    with pytest.raises(CheckpointError, match=r"step=4\.ckpt: checkpoint not written \(disk full\)"):
+        fit(config)
+    assert steps_in(tmp_path / "checkpoints") == {"last.ckpt": 2, "step=2.ckpt": 2}
+
+
 def test_the_checkpoint_size_is_printed_at_the_start_and_the_write_rate_after_the_first_save(
         assets, tmp_path, caplog):
     caplog.set_level(logging.INFO)
