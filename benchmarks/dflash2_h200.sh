@@ -3,9 +3,11 @@
 #   bash benchmarks/dflash2_h200.sh OUT_DIR ab     the tiny default, DFlash vs DFlash2 (D-PACE, CE), seeds 0 1 2,
 #                                                  served tau at temperature 0, 0.6, 1 (fit and evaluate on the GPU)
 #   bash benchmarks/dflash2_h200.sh OUT_DIR step   the drafter step at the Qwen3-8B shape (8192/512, bf16-mixed,
-#                                                  compiled), DFlash then DFlash2, same target and batches
+#                                                  compiled), DFlash then DFlash2, same target and batches;
+#                                                  FP8=all:tensorwise adds that FP8 step to each
 #   bash benchmarks/dflash2_h200.sh OUT_DIR fit    the user's `fit --config configs/qwen3-8b{-dflash2,}.yaml` at the
-#                                                  recipe's 3072/512 with a random Qwen3-8B-shaped target
+#                                                  recipe's 3072/512 with a random Qwen3-8B-shaped target;
+#                                                  PROFILE=N profiles N steps after the timed window
 set -u -o pipefail
 out=${1:?OUT_DIR}; part=${2:?ab|step|fit}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -17,12 +19,13 @@ case $part in
       --out "$out/tiny-dflash2-ab.json" > "$out/ab.log" 2>&1 ;;
   step)
     for v in dflash dflash2; do
-      python3 benchmarks/step_bench.py --variant $v --modes "" --precisions bf16-mixed --fp8 "" \
+      python3 benchmarks/step_bench.py --variant $v --modes "" --precisions bf16-mixed --fp8 "${FP8:-}" \
         --skip eager,warm,curves,tiny_features,pipeline,profile --warmup ${WARMUP:-12} --steps ${STEPS:-30} \
         --out "$out/step-$v.json" 2>&1 | grep --line-buffered -v Warning > "$out/step-$v.log"
     done ;;
   fit)
-    for c in qwen3-8b-dflash2 qwen3-8b; do
-      python3 benchmarks/fit_bench.py --config configs/$c.yaml --out "$out/fit-$c.json" > "$out/fit-$c.log" 2>&1
+    for c in ${CONFIGS:-qwen3-8b-dflash2 qwen3-8b}; do
+      python3 benchmarks/fit_bench.py --config configs/$c.yaml --profile ${PROFILE:-0} --out "$out/fit-$c.json" \
+        > "$out/fit-$c.log" 2>&1
     done ;;
 esac

@@ -30,11 +30,12 @@ TIMER_OUT = "FIT_BENCH_TIMER_OUT"  # where StepTimer writes its figures (set by 
 
 
 class StepTimer(Callback):
-    """Seconds per step over steps [warmup, end), synchronised at both ends only; peak memory; written as JSON."""
+    """Seconds per step over steps [warmup, warmup + steps), synchronised at both ends only; peak memory; then, with
+    `profile` > 0, a torch.profiler table of the next `profile` steps (outside the timed window); written as JSON."""
 
-    def __init__(self, warmup: int = 20) -> None:
-        self.warmup, self.t0, self.steps, self.start = warmup, None, 0, time.perf_counter()
-        self.first_step_s = None
+    def __init__(self, warmup: int = 20, steps: int = 60, profile: int = 0) -> None:
+        self.warmup, self.window, self.profile = warmup, steps, profile
+        self.t0, self.start, self.first_step_s, self.result, self.prof = None, time.perf_counter(), None, None, None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
@@ -44,21 +45,57 @@ class StepTimer(Callback):
             _sync()
             if torch.cuda.is_available():
                 torch.cuda.reset_peak_memory_stats()
-            self.t0, self.steps = time.perf_counter(), 0
-        elif self.t0 is not None:
-            self.steps += 1
+            self.t0 = time.perf_counter()
+        elif step == self.warmup + self.window and self.t0 is not None:
+            _sync()
+            seconds = (time.perf_counter() - self.t0) / self.window
+            budget = trainer.datamodule.hparams.token_budget
+            saves = [cb.every_n_train_steps for cb in trainer.checkpoint_callbacks if cb.every_n_train_steps]
+            self.result = {
+                "step_s": seconds, "context_tokens_per_s": budget / seconds, "token_budget": budget,
+                "packing": trainer.datamodule.packing_stats(), "save_every_n_train_steps": min(saves, default=None),
+                "measured_steps": self.window,
+                "warmup_steps": self.warmup, "first_step_after_s": self.first_step_s,
+                "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None,
+            }
+            self._write()
+            if self.profile:
+                self.prof = torch.profiler.profile(activities=_activities())
+                self.prof.__enter__()
+                self.t0 = time.perf_counter()
+        elif self.prof is not None and step == self.warmup + self.window + self.profile:
+            _sync()
+            wall = (time.perf_counter() - self.t0) / self.profile
+            self.prof.__exit__(None, None, None)
+            self.result["profile"] = profile_summary(self.prof, self.profile, wall)
+            self.prof = None
+            self._write()
 
-    def on_train_end(self, trainer, pl_module) -> None:
-        _sync()
-        if self.t0 is None or not self.steps:
-            return
-        seconds = (time.perf_counter() - self.t0) / self.steps
-        budget = trainer.datamodule.hparams.token_budget
-        Path(os.environ[TIMER_OUT]).write_text(json.dumps({
-            "step_s": seconds, "context_tokens_per_s": budget / seconds, "measured_steps": self.steps,
-            "warmup_steps": self.warmup, "first_step_after_s": self.first_step_s,
-            "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else None,
-        }))
+    def _write(self) -> None:
+        Path(os.environ[TIMER_OUT]).write_text(json.dumps(self.result))
+
+
+def _activities() -> list:
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    return acts + ([torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+
+
+def profile_summary(prof, steps: int, wall_s: float, top: int = 25) -> dict:
+    """Per step: the wall time, the device's busy time (its kernels, summed), the top kernels and the top host ops."""
+    events = [e for e in prof.key_averages() if e.key]
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]  # not the ops that launch them
+    device = sum(e.self_device_time_total for e in kernels) / 1e6 / steps
+
+    def rows(key: str) -> list[dict]:
+        ranked = sorted(kernels if key == "self_device_time_total" else events, key=lambda e: getattr(e, key),
+                        reverse=True)[:top]
+        return [{"op": e.key[:90], "calls_per_step": e.count / steps, "device_ms": e.self_device_time_total / 1e3
+                 / steps, "host_ms": e.self_cpu_time_total / 1e3 / steps} for e in ranked]
+
+    return {"steps": steps, "wall_s_per_step": wall_s, "device_busy_s_per_step": device,
+            "device_idle_fraction": max(0.0, 1 - device / wall_s) if torch.cuda.is_available() else None,
+            "top_device": rows("self_device_time_total"),
+            "top_host": rows("self_cpu_time_total")}
 
 
 def _sync() -> None:
@@ -91,6 +128,7 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("/tmp/fit-bench"), help="target, data and run folders")
     parser.add_argument("--warmup", type=int, default=20, help="steps before the timed window (compile, warm-up)")
     parser.add_argument("--steps", type=int, default=60, help="timed steps")
+    parser.add_argument("--profile", type=int, default=0, help="steps profiled after the timed window (0: none)")
     parser.add_argument("--docs", type=int, default=3000, help="synthetic conversations")
     parser.add_argument("--target", type=Path, default=None, help="an existing target folder instead of a random one")
     parser.add_argument("--data", type=Path, default=None, help="its conversations (with --target)")
@@ -98,16 +136,17 @@ def main() -> None:
     args = parser.parse_args()
     work = args.work.resolve()
     work.mkdir(parents=True, exist_ok=True)
-    target, data = (args.target, args.data) if args.target else prepare(work, args.docs)
+    target, data = (args.target.resolve(), args.data.resolve()) if args.target else prepare(work, args.docs)
     run = work / f"run-{Path(args.config).stem}-{int(time.time())}"
     run.mkdir()
     timer_out = run / "timer.json"
     command = [
         sys.executable, "-m", "dflash_lightning", "fit", "--config", str((ROOT / args.config).resolve()),
         f"--target.path={target}", f"--data.train_files=[{data}]", f"--data.val_files=[{data}]",
-        f"--trainer.max_steps={args.warmup + args.steps + 1}", "--trainer.limit_val_batches=0",
+        f"--trainer.max_steps={args.warmup + args.steps + args.profile + 1}", "--trainer.limit_val_batches=0",
         "--trainer.callbacks+=" + json.dumps({"class_path": "benchmarks.fit_bench.StepTimer",
-                                              "init_args": {"warmup": args.warmup}}),
+                                              "init_args": {"warmup": args.warmup, "steps": args.steps,
+                                                                            "profile": args.profile}}),
         *args.fit_args,
     ]
     env = {**os.environ, TIMER_OUT: str(timer_out), "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}

@@ -102,7 +102,8 @@ def main() -> None:
     module = DFlashModule(str(target), drafter, token_budget=budget, num_anchors=anchors, compile=not smoke,
                           metrics_every=8)
     features = TargetFeatures(str(target), dtype="float32" if smoke else "bfloat16", placement=args.placement,
-                              target_devices=[d for d in args.target_devices.split(",") if d] or None)
+                              target_devices=[d for d in args.target_devices.split(",") if d] or None,
+                              layer_ids=module.drafter_config.target_layer_ids, token_budget=budget)
     timer = Throughput(args.warmup, args.steps)
     devices = [int(i) for i in args.trainer_gpus.split(",")] if args.trainer_gpus else args.devices
     trainer = Trainer(

@@ -343,7 +343,7 @@ def step_flops(module: DFlashModule, batch: dict[str, torch.Tensor]) -> float:
     per_layer = N * H * hq * d * 2 + (N + T) * H * hkv * d * 2 + 3 * N * H * mlp
     linear = 6 * (cfg.num_layers * per_layer + T * cfg.num_context_layers * H * H)
     attention = 12 * d * hq * visible_pairs(cfg, batch, A)
-    head = (6 if module.loss_settings.distills else 4) * N * H * V
+    head = (6 if module.loss_settings.distills else 4) * A * (B - 1) * H * V  # slot 0 skips the head
     return float(linear + attention + head)
 
 
@@ -516,13 +516,17 @@ def tiny_feature_difference(folder: Path, budget: int = 1024) -> dict:
 
 
 def projection(tokens_per_s: float, gpus: int, efficiency: float, conversations: float, epochs: int,
-               mean_tokens: float, fill: float) -> dict:
-    """Hours to train a recipe on one node from the one-GPU rate (context tokens/s, pads included)."""
+               mean_tokens: float, fill: float, save_stall_s: float = 0.0, save_every_s: float | None = None) -> dict:
+    """Hours to train a recipe on one node from the one-GPU rate (context tokens/s, pads included), plus the stall
+    of a checkpoint save (`save_stall_s` every `save_every_s` seconds of training)."""
     real = tokens_per_s * fill * gpus * efficiency  # real tokens per second over the node
-    hours = conversations * epochs * mean_tokens / real / 3600
+    training = conversations * epochs * mean_tokens / real / 3600
+    stalls = training * save_stall_s / save_every_s if save_every_s else 0.0
     return {"gpus": gpus, "scaling_efficiency": efficiency, "conversations": conversations, "epochs": epochs,
             "mean_conversation_tokens": mean_tokens, "packing_fill": fill, "one_gpu_tokens_per_s": tokens_per_s,
-            "node_real_tokens_per_s": real, "samples_per_s": real / mean_tokens, "hours": hours}
+            "node_real_tokens_per_s": real, "samples_per_s": real / mean_tokens, "save_stall_s": save_stall_s,
+            "save_every_s": save_every_s, "training_hours": training, "checkpoint_hours": stalls,
+            "hours": training + stalls}
 
 
 def main() -> None:

@@ -15,6 +15,28 @@ from torch import Tensor, nn
 
 from dflash_lightning.config import DrafterConfig
 
+TOP_K_GROUP = 256  # columns per group of unary_top_k's first pass
+
+
+def unary_top_k(logits: Tensor, k: int, group: int = TOP_K_GROUP) -> Tensor:
+    """Ids of the k largest logits of each row `[N, V]`, largest first: torch.topk's set in two cheap passes.
+
+    Every top-k entry lies in one of the k groups (of `group` columns) with the largest maxima, so a max per group,
+    a top k of the maxima, and a top k within those k groups (plus the tail past the last whole group) find it;
+    on 152K columns that reads the logits once instead of a radix select's several passes.  # [N, k]
+    """
+    n, v = logits.shape
+    whole = v // group
+    if k == 0 or v < 8 * k * group:
+        return logits.topk(k, dim=-1).indices
+    grouped = logits[:, : whole * group].unflatten(1, (whole, group))  # [N, G, group]
+    groups = grouped.amax(-1).topk(k, dim=-1).indices  # [N, k]
+    inside = grouped.gather(1, groups[:, :, None].expand(n, k, group)).flatten(1)  # [N, k * group]
+    pick = torch.cat([inside, logits[:, whole * group :]], 1).topk(k, dim=-1).indices  # [N, k]
+    in_groups = pick < k * group
+    column = groups.gather(1, (pick // group).clamp(max=k - 1)) * group + pick % group
+    return torch.where(in_groups, column, pick - k * group + whole * group)
+
 
 class BlockConv(nn.Module):
     """Causal taps over the slots of one block, with per-slot kernels: `conv(x)[t, c] = sum_tau (b[tau, c] +
@@ -83,8 +105,8 @@ class CandidateSelector(nn.Module):
 
     def candidates(self, logits: Tensor) -> tuple[Tensor, Tensor]:
         """The unary top K of each row of logits `[N, V]`: ids `[N, K]` and their logits `[N, K]` (fp32)."""
-        values, ids = logits.to(torch.promote_types(logits.dtype, torch.float32)).topk(self.top_k, dim=-1)
-        return ids, values
+        ids = unary_top_k(logits, self.top_k)
+        return ids, logits.gather(1, ids).to(torch.promote_types(logits.dtype, torch.float32))
 
     @torch.no_grad()
     def greedy(self, hidden: Tensor, logits: Tensor, first_prev: Tensor) -> Tensor:

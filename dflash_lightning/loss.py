@@ -16,6 +16,7 @@ from torch import Tensor
 
 from dflash_lightning.blocks import dpace_weights
 from dflash_lightning.config import ConfigError
+from dflash_lightning.dflash2 import unary_top_k
 
 if TYPE_CHECKING:
     from dflash_lightning.dflash2 import CandidateSelector
@@ -32,7 +33,7 @@ class LossSettings:
     """ce: against the data tokens; kl: KL(target || drafter) of the target's own distribution; ce+kl: both."""
     loss_weights: Literal["decay", "dpace"] = "dpace"
     """decay: w_k = exp(-(k-1)/gamma); dpace: from each step's per-slot CE (docs/method.md section 4b)."""
-    alpha: float = 0.5
+    dpace_alpha: float = 0.5
     """D-PACE smoothing, s_k = (1 - alpha) * q_k + alpha."""
     temperature: float = 1.0
     """Distillation temperature tau: KL of softmax(logits / tau), scaled by tau**2."""
@@ -44,8 +45,8 @@ class LossSettings:
             raise ConfigError(f"objective must be one of {OBJECTIVES}, got '{self.objective}'")
         if self.loss_weights not in LOSS_WEIGHTS:
             raise ConfigError(f"loss_weights must be one of {LOSS_WEIGHTS}, got '{self.loss_weights}'")
-        if not 0.0 <= self.alpha <= 1.0:
-            raise ConfigError(f"dpace_alpha must be in [0, 1], got {self.alpha}")
+        if not 0.0 <= self.dpace_alpha <= 1.0:
+            raise ConfigError(f"dpace_alpha must be in [0, 1], got {self.dpace_alpha}")
         if not self.temperature > 0:
             raise ConfigError(f"temperature must be > 0, got {self.temperature}")
         if not self.selector_alpha >= 0:
@@ -92,15 +93,15 @@ class _HeadLoss(torch.autograd.Function):
             h, y = hidden[start:end].to(head.dtype), labels[start:end, None]
             raw = F.linear(h, head)  # [rows, V] in the compute dtype
             ranked = max(topk, selector_k if selecting else 0)  # one topk serves the metrics and the candidates
-            # ranked on the compute-dtype logits: a 16-bit radix select makes half the passes of an fp32 one
-            top_ids = raw.topk(ranked, dim=-1).indices if ranked else None
+            # ranked on the compute-dtype logits (bf16 under bf16-mixed): half the bytes of fp32 ones to read
+            top_ids = unary_top_k(raw, ranked) if ranked else None
             logits = raw.to(acc)
             del raw
             lse = torch.logsumexp(logits, dim=-1, keepdim=True)
             ce = (lse - logits.gather(1, y))[:, 0]  # [rows]
             if settings.loss_weights == "dpace":
                 supervised = (weights[start:end] > 0).view(-1, block_size)
-                w = dpace_weights(ce.view(-1, block_size), supervised, settings.alpha).flatten().to(acc)
+                w = dpace_weights(ce.view(-1, block_size), supervised, settings.dpace_alpha).flatten().to(acc)
             else:
                 w = weights[start:end].to(acc)
             used[start:end] = w

@@ -324,25 +324,34 @@ class DFlashDrafter(nn.Module):
         hidden = self.block_hidden(features, input_ids, position_ids, doc_ids, anchors, anchor_valid)
         labels, weights = block_labels(input_ids, loss_mask, doc_ids, anchors, anchor_valid, slot_weights)
         # The token before each slot (slot 1: the anchor's), where the target's state that predicts it sits.
-        before = teacher_positions(anchors, B, input_ids.numel()).flatten()  # [A*B]
+        before = teacher_positions(anchors, B, input_ids.numel())  # [A, B]
         head, head_t = self.head_fp8 or (self.head_weight, None)
         selector = self.candidate_selector
+        # Slot 0 (the anchor, given) has weight 0 under every rule and leaves D-PACE's weights of the others as
+        # they are, so it skips the head: A*(B-1) rows, 1/B fewer head FLOPs, still a fixed shape.
         total, ce, used, top, sel = self.head_loss(
-            hidden.flatten(0, 1), head, labels.flatten(), weights.flatten(), self.head_chunk_size, topk,
-            B, settings, final_hidden, before if settings.distills else None, head_t,
-            None if selector is None else (selector, input_ids[before]),
+            hidden[:, 1:].flatten(0, 1), head, labels[:, 1:].flatten(), weights[:, 1:].flatten(),
+            self.head_chunk_size, topk, B - 1, settings, final_hidden,
+            before[:, 1:].flatten() if settings.distills else None, head_t,
+            None if selector is None else (selector, input_ids[before[:, 1:].flatten()]),
         )
         denominator = rank_mean_weight(used).clamp_min(1e-12)
         return DraftOutput(
-            loss=total / denominator, ce=ce / denominator, weights=used.view_as(weights), supervised=weights > 0,
-            labels=labels, topk=None if top is None else top.unflatten(0, labels.shape),
+            loss=total / denominator, ce=ce / denominator, weights=_with_slot_0(used.view(-1, B - 1), 0.0),
+            supervised=weights > 0, labels=labels,
+            topk=None if top is None else _with_slot_0(top.unflatten(0, (-1, B - 1)), -1),
             selector_loss=None if sel is None else sel[0] / denominator,
-            selector_hits=None if sel is None else sel[1].unflatten(0, labels.shape),
+            selector_hits=None if sel is None else _with_slot_0(sel[1].unflatten(0, (-1, B - 1)), False),
         )
 
     def logits(self, hidden: Tensor) -> Tensor:
         """Full logits through the frozen head (serving and tests, not the training step)."""
         return hidden @ self.head_weight.to(hidden.dtype).T
+
+
+def _with_slot_0(rows: Tensor, fill: float | int | bool) -> Tensor:
+    """Per-slot results of slots 1..B-1 `[A, B-1, ...]` with slot 0 put back as `fill`.  # [A, B, ...]"""
+    return torch.cat([torch.full_like(rows[:, :1], fill), rows], 1)
 
 
 __all__ = ["DFlashDrafter", "DraftOutput", "RMSNorm", "apply_rope", "masked_attention"]

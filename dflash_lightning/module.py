@@ -15,10 +15,12 @@ from typing import Any, Literal
 
 import torch
 from lightning.pytorch import LightningModule
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
 
+from dflash_lightning import lightning_compat as compat
 from dflash_lightning.blocks import anchor_seed, base_slot_weights, select_anchors
 from dflash_lightning.config import ConfigError, DrafterConfig
 from dflash_lightning.fp8 import convert_linears, require_fp8
@@ -87,7 +89,7 @@ class DFlashModule(LightningModule):
         head_chunk_size: int = 4096,
         objective: Literal["ce", "kl", "ce+kl"] = LossSettings.objective,  # defaults: LossSettings, as a bare drafter
         loss_weights: Literal["decay", "dpace"] = LossSettings.loss_weights,
-        dpace_alpha: float = LossSettings.alpha,
+        dpace_alpha: float = LossSettings.dpace_alpha,
         temperature: float = LossSettings.temperature,
         selector_alpha: float = LossSettings.selector_alpha,
         init_from: str | None = None,
@@ -182,7 +184,8 @@ class DFlashModule(LightningModule):
             return
         cfg, hp = self.drafter_config, self.hparams
         if hp.fp8 != "none":
-            self.check_device(self._trainer.strategy.root_device if self._trainer is not None else self.device)
+            trainer = compat.attached_trainer(self)
+            self.check_device(trainer.strategy.root_device if trainer is not None else self.device)
         self.drafter = DFlashDrafter(cfg)
         self.drafter.head_chunk_size = hp.head_chunk_size
         self.drafter.loss_settings = self.loss_settings
@@ -210,14 +213,15 @@ class DFlashModule(LightningModule):
         if self.hparams.fp8 == "none":
             return
         if precision is None:
-            precision = getattr(getattr(self._trainer, "precision_plugin", None), "precision", None)
+            precision = getattr(getattr(compat.attached_trainer(self), "precision_plugin", None), "precision", None)
         if precision not in (None, "bf16-mixed", "bf16-true"):  # FP8 matmuls return bf16
             raise ConfigError(f"model.fp8={self.hparams.fp8} needs trainer.precision bf16-mixed, not {precision}")
         require_fp8(device, f"model.fp8={self.hparams.fp8}")
 
     def _autocast_dtype(self) -> torch.dtype | None:
         """bf16 (or fp16) where the Trainer computes under autocast over fp32 weights, else None."""
-        plugin = self._trainer.precision_plugin if self._trainer is not None else None
+        trainer = compat.attached_trainer(self)
+        plugin = trainer.precision_plugin if trainer is not None else None
         if isinstance(plugin, MixedPrecision):
             return torch.bfloat16 if plugin.precision == "bf16-mixed" else torch.float16
         return None
@@ -363,7 +367,7 @@ class DFlashModule(LightningModule):
         counts[3] += 1
         if self.hparams.nonfinite == "stop":
             bad = bad | (counts[2] >= 0)  # after the first bad step nothing is applied until the host raises
-        optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps the torch one
+        optimizer = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
         optimizer.found_inf = bad.to(torch.float32)  # 0-dim, like the optimizer's step counts
 
     def configure_optimizers(self) -> dict[str, Any]:
@@ -389,21 +393,22 @@ class DFlashModule(LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        if self._trainer is not None and self.trainer.training:
+        if compat.attached_trainer(self) is not None and self.trainer.training:
             # A skipped step the host has not read yet (nonfinite: stop, or too many in a row) must stop the run
             # before a checkpoint records it as a later, trained step. One copy per save.
             self._check_nonfinite()
         # The resolved drafter config lets export and evaluation work without re-reading the target.
         checkpoint["drafter_config"] = self.drafter_config.to_dict()
         checkpoint[resume.RECORD_KEY] = self.run_record()
-        if self._trainer is not None:  # export serves the drafter in the dtype it was trained in
+        if compat.attached_trainer(self) is not None:  # export serves the drafter in the dtype it was trained in
             checkpoint["precision"] = str(self.trainer.precision)
 
     def run_record(self) -> dict[str, Any]:
         """This run's settings as a checkpoint records them (made once: the target is fingerprinted)."""
-        if self._run_record is None or self._trainer is None:  # data and layout are known once in a Trainer
+        trainer = compat.attached_trainer(self)
+        if self._run_record is None or trainer is None:  # data and layout are known once in a Trainer
             record = resume.run_record(self)
-            if self._trainer is None:
+            if trainer is None:
                 return record
             self._run_record = record
         return self._run_record
@@ -413,7 +418,7 @@ class DFlashModule(LightningModule):
 
         On another number of ranks (the global batch kept) the loop's per-rank batch counts are rescaled.
         """
-        trainer = self._trainer
+        trainer = compat.attached_trainer(self)
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         saved = checkpoint.get(resume.RECORD_KEY)
         resume.check_resume(saved, self.run_record(), getattr(trainer, "ckpt_path", None), fitting)
@@ -438,7 +443,7 @@ class DFlashModule(LightningModule):
         scheduler.base_lrs = [hp.lr] * len(optimizer.param_groups)
         for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas, strict=True):
             group["lr"] = hp.lr * factor(scheduler.last_epoch)  # what LambdaLR computes, with this run's lr
-        scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+        compat.set_last_lr(scheduler, [group["lr"] for group in optimizer.param_groups])
 
 
 def warm_start(drafter: DFlashDrafter, path: str) -> None:

@@ -110,6 +110,8 @@ class SlowWrites(Callback):
     def teardown(self, trainer, pl_module, stage) -> None:
         torch.save, checkpointing.link_atomic, checkpointing.AtomicCheckpointIO.remove_checkpoint = self._restore
 
+    on_exception = teardown  # a run that raises skips the teardown hooks (same arguments: the exception)
+
 
 class FolderWatch(Callback):
     """At every step end: the complete checkpoint files of the folder and where `last.ckpt` points."""

@@ -106,3 +106,18 @@ def test_checkpoint_bench_cpu_smoke_measures_sync_and_background_saves(tmp_path)
     assert abs(result["size_bytes"] - 24e6) < 1e5 and result["sync"]["stall_s"] > 0
     assert len(result["async"]) == 2 and all(s["write_s"] > 0 and s["stall_s"] >= 0 for s in result["async"])
     assert result["async_write_GBps"] > 0 and not [p for p in tmp_path.iterdir() if p != out]  # files removed
+
+
+def test_projection_from_a_fit_counts_fill_length_and_checkpoint_stalls():
+    """Hours = tokens / (rate * fill * gpus * efficiency), plus one stall per save interval, from a fit's JSON."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.project import project
+
+    fit = {"step_s": 0.2, "context_tokens_per_s": 15000.0, "save_every_n_train_steps": 2000,
+           "packing": {"padding_fraction": 0.1, "tokens": 9000, "documents": 10}}
+    plain = project({**fit, "save_every_n_train_steps": None}, 8, 0.9, 800e3, 6, save_stall_s=48.0)
+    expected = 800e3 * 6 * 900 / (15000 * 0.9 * 8 * 0.9) / 3600
+    assert plain["hours"] == plain["training_hours"] == expected and plain["checkpoint_hours"] == 0
+    stalled = project(fit, 8, 0.9, 800e3, 6, save_stall_s=48.0)
+    assert stalled["checkpoint_hours"] == expected * 48.0 / (2000 * 0.2)  # 12% of the run at 48 s per save
+    assert stalled["hours"] == expected + stalled["checkpoint_hours"]

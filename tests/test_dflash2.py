@@ -10,7 +10,7 @@ from test_model import tiny_drafter
 
 from dflash_lightning.blocks import select_anchors, slot_weights
 from dflash_lightning.config import ConfigError, DrafterConfig
-from dflash_lightning.dflash2 import BlockConv, CandidateSelector
+from dflash_lightning.dflash2 import BlockConv, CandidateSelector, unary_top_k
 from dflash_lightning.loss import LossSettings, chunked_head_loss
 from dflash_lightning.model import DFlashDrafter
 
@@ -199,7 +199,7 @@ def test_dflash2_training_step_through_the_module_logs_selector_metrics():
     assert float(out.selector_loss) > 0
 
 
-@pytest.mark.parametrize("settings", [LossSettings("kl", "dpace", alpha=0.3, temperature=0.5, selector_alpha=0.7),
+@pytest.mark.parametrize("settings", [LossSettings("kl", "dpace", dpace_alpha=0.3, temperature=0.5, selector_alpha=0.7),
                                       LossSettings("ce+kl", "dpace")])
 def test_selector_term_beside_distillation_and_dpace_matches_the_dense_reference(settings):
     """With KL (or CE + KL) and D-PACE the selector adds alpha * its CE, weighted by the unary D-PACE weights."""
@@ -235,3 +235,21 @@ def test_warm_start_refuses_a_selector_of_another_rank_naming_the_field(tmp_path
     write_folder(source.config, source.state_dict(), tmp_path / "hf")
     with pytest.raises(ConfigError, match="selector_rank"):
         warm_start(DFlashDrafter(replace(source.config, selector_rank=3)), str(tmp_path / "hf"))
+
+
+@pytest.mark.parametrize("v", [8 * 16 * 32, 8 * 16 * 32 + 19])  # whole groups only, and a tail past the last one
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_unary_top_k_is_torch_topk_in_two_passes(v, dtype):
+    """The grouped top K returns torch.topk's ids in its order, wherever the largest entries sit (tail included)."""
+    g = torch.Generator().manual_seed(0)
+    rows = torch.stack([torch.randperm(v, generator=g) for _ in range(6)]).float()  # distinct values per row
+    rows[1] = torch.arange(v).float()  # the largest all in the tail
+    rows[2] = -torch.arange(v).float()  # all in the first group
+    rows[3, torch.arange(16) * 97] = v + torch.arange(16.0)  # one per group, spread out
+    logits = (rows / v * 200).to(dtype) if dtype == torch.bfloat16 else rows
+    if dtype == torch.bfloat16:  # bf16 rounding makes ties: compare values, which are what the ids select
+        expected = logits.topk(16, dim=-1).values
+        assert torch.equal(logits.gather(1, unary_top_k(logits, 16, group=32)), expected)
+    else:
+        assert torch.equal(unary_top_k(logits, 16, group=32), logits.topk(16, dim=-1).indices)
+    assert torch.equal(unary_top_k(logits[:, :100], 16, group=32), logits[:, :100].topk(16, dim=-1).indices)

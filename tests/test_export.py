@@ -41,9 +41,10 @@ def make_checkpoint(target: Path, path: Path, block_size: int = 8, **module_kw) 
     torch.manual_seed(0)
     module = DFlashModule(str(target), DrafterConfig(num_layers=2, block_size=block_size), token_budget=64,
                           num_anchors=8, **module_kw)
+    features = TargetFeatures(str(target), dtype="float32", layer_ids=module.drafter_config.target_layer_ids,
+                              final_hidden=module.loss_settings.distills)
     trainer = Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False,
-                      callbacks=[TargetFeatures(str(target), dtype="float32")])
+                      enable_progress_bar=False, enable_model_summary=False, callbacks=[features])
     trainer.fit(module, train_dataloaders=DataLoader([packed_batch([30, 20], 64, vocab=50)], batch_size=None))
     trainer.save_checkpoint(path)
     return path
@@ -80,7 +81,7 @@ def test_training_settings_ride_in_the_checkpoint_and_stay_out_of_the_served_fol
     assert {k: hp[k] for k in settings} == settings
     restored = DFlashModule(**hp)  # what a resume or load_from_checkpoint builds
     assert (restored.loss_settings.objective, restored.loss_settings.loss_weights) == ("ce+kl", "dpace")
-    assert (restored.loss_settings.alpha, restored.loss_settings.temperature) == (0.3, 2.0)
+    assert (restored.loss_settings.dpace_alpha, restored.loss_settings.temperature) == (0.3, 2.0)
     out = export_checkpoint(path, tmp_path / "hf")
     assert json.loads((out / "config.json").read_text()) == json.loads((folder / "config.json").read_text())
 
@@ -273,7 +274,7 @@ def test_exported_folder_drafts_what_training_trained(tiny_target, tmp_path, dty
             if drafter.config.is_dflash2:  # the selector's greedy path: the folder's against ours
                 # ours in fp32: CandidateSelector.pair_scores feeds fp32 hidden states to the projection
                 ours = selector.greedy(trained_hidden[a, 1:].float(), trained[a, 1:], block[0, 0])
-                picks = served.propose(hidden[0, 1:], logits[1:], int(block[0, 0]))
+                picks, _ = served.propose(hidden[0, 1:], logits[1:], int(block[0, 0]))
                 same_picks += int((picks == ours).sum())
     # the draft tokens themselves: all equal in float32; bfloat16 may flip a near-tie
     n = 7 * anchors.numel()
@@ -296,12 +297,14 @@ def test_exported_spec_generate_is_lossless(tiny_target, tmp_path, variant):
         assert out[0, ids.numel():].tolist() == target_generate(target, ids, 20, 2).tokens
 
 
+@pytest.mark.parametrize("variant", [{}, DFLASH2])
 @pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=0.7, top_p=0.9, top_k=8)])
-def test_exported_spec_generate_samples_as_the_decoder(tiny_target, tmp_path, sampling):
+def test_exported_spec_generate_samples_as_the_decoder(tiny_target, tmp_path, sampling, variant):
     """Sampled `spec_generate` gives the project decoder's tokens for the same seed (both run the one verification
-    rule of the modelling file, whose losslessness tests/test_speculative.py checks statistically)."""
+    rule of the modelling file, whose losslessness tests/test_speculative.py checks statistically); a DFlash2
+    folder samples its drafts from the selector's q, as the decoder does."""
     target = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
-    drafter = parity_drafter(tiny_target, torch.float32)
+    drafter = parity_drafter(tiny_target, torch.float32, **variant)
     served = AutoModel.from_pretrained(write_folder(drafter.config, drafter.state_dict(), tmp_path / "d"),
                                        trust_remote_code=True).eval()
     decoder = SpeculativeDecoder(target, drafter)

@@ -190,12 +190,21 @@ class RoundedTargetFeatures(TargetFeatures):
         batch["context_features"] = batch["context_features"].bfloat16().float()
 
 
-def fit(setup: dict, feature_cache: str | None, online: TargetFeatures | None = None) -> Record:
+def wired(module: DFlashModule, **overrides) -> dict:
+    """The data module's (or TargetFeatures') values that the CLI links from the module."""
+    return {"target_layer_ids": module.drafter_config.target_layer_ids, "final_hidden": module.loss_settings.distills,
+            **overrides}
+
+
+def fit(setup: dict, feature_cache: str | None, online: type[TargetFeatures] | None = None) -> Record:
     seed_everything(0)
     record = Record()
     module = DFlashModule(setup["target"], DrafterConfig(num_layers=2, block_size=8), token_budget=256,
                           num_anchors=16, lr=3e-3)
-    dm = make_dm(setup, feature_cache=feature_cache)
+    dm = make_dm(setup, feature_cache=feature_cache, **wired(module, target=setup["target"]))
+    if online is not None:
+        ids = module.drafter_config.target_layer_ids
+        online = online(setup["target"], dtype="float32", layer_ids=ids, final_hidden=module.loss_settings.distills)
     trainer = Trainer(accelerator="cpu", devices=1, max_steps=5, logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                       limit_val_batches=0, callbacks=[record] + ([online] if online else []))
@@ -204,7 +213,7 @@ def fit(setup: dict, feature_cache: str | None, online: TargetFeatures | None = 
 
 
 def test_fit_from_cache_sees_the_same_batches_and_losses(setup):
-    online = fit(setup, None, RoundedTargetFeatures(setup["target"], dtype="float32"))
+    online = fit(setup, None, RoundedTargetFeatures)
     bf16 = fit(setup, str(setup["root"] / "bf16"))
     fp8 = fit(setup, str(setup["root"] / "fp8"))
     assert len(online.losses) == len(bf16.losses) == len(fp8.losses) == 5
@@ -286,7 +295,11 @@ def test_mismatched_cache_is_refused_naming_the_field(setup, tmp_path):
         module = DFlashModule(target, drafter, token_budget=256, num_anchors=16)
         trainer = Trainer(accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False)
         with pytest.raises(FeatureCacheError, match=field):
-            trainer.fit(module, datamodule=make_dm(setup, feature_cache=bf16))
+            trainer.fit(module, datamodule=make_dm(setup, feature_cache=bf16, **wired(module, target=target)))
+    # a data module built by hand without the drafter's values is refused where it meets the module, by name
+    with pytest.raises(ConfigError, match=r"^data\.target None differs from model\.target '.*': give both"):
+        Trainer(accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False).fit(
+            module, datamodule=make_dm(setup, feature_cache=bf16))
     with pytest.raises(FeatureCacheError, match=r"feature_format is 'bf16' in the cache and 'fp8' here"):
         cache_cli(setup, Path(bf16), "--format", "fp8")
     with pytest.raises(FeatureCacheError, match="no manifest.json"):

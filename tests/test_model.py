@@ -140,7 +140,7 @@ def dense_objective(hidden, head, labels, weights, teacher_hidden, settings: Los
     logits = hidden @ head.T
     ce = F.cross_entropy(logits, labels, reduction="none")
     if settings.loss_weights == "dpace":  # section 4b, written out per block
-        s = torch.where(weights > 0, (1 - settings.alpha) * torch.exp(-ce.detach()) + settings.alpha, 1.0)
+        s = torch.where(weights > 0, (1 - settings.dpace_alpha) * torch.exp(-ce.detach()) + settings.dpace_alpha, 1.0)
         s = s.view(-1, block)
         m = (weights > 0).view(-1, block).double()
         w = torch.zeros_like(s)
@@ -157,7 +157,7 @@ def dense_objective(hidden, head, labels, weights, teacher_hidden, settings: Los
 
 @pytest.mark.parametrize("settings", [
     LossSettings("ce", "dpace"), LossSettings("kl", "decay"), LossSettings("ce+kl", "decay", temperature=2.0),
-    LossSettings("kl", "dpace", alpha=0.3, temperature=0.5),
+    LossSettings("kl", "dpace", dpace_alpha=0.3, temperature=0.5),
 ])
 @pytest.mark.parametrize("chunk", [4, 11, 1000])  # one block, not whole blocks (rounded down), everything at once
 def test_objectives_chunked_match_the_dense_reference(settings, chunk):

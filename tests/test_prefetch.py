@@ -84,7 +84,6 @@ def test_separate_placement_wraps_only_the_loaders_a_data_module_has(tiny_target
     data = TrainOnly()
     trainer = SimpleNamespace(datamodule=data, local_rank=0, num_devices=1,
                               strategy=SimpleNamespace(root_device=torch.device("cpu")))
-    module = SimpleNamespace(drafter_config=SimpleNamespace(target_layer_ids=[1]))
-    TargetFeatures(str(tiny_target), "float32", "separate", ["cpu"]).setup(trainer, module, "fit")
+    TargetFeatures(str(tiny_target), "float32", "separate", ["cpu"], layer_ids=[1]).setup(trainer, object(), "fit")
     assert isinstance(data.train_dataloader(), FeaturePrefetcher)
     assert not is_overridden("val_dataloader", data)

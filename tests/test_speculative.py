@@ -278,6 +278,28 @@ def test_verification_step_is_lossless_exactly(sampling):
     assert sum(accepted) / len(accepted) == pytest.approx(mean_a, abs=4 * 1.5 / len(accepted) ** 0.5)
 
 
+@pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=0.7, top_k=4, top_p=0.9)])
+def test_verification_with_sampled_drafts_emits_the_targets_tokens(sampling):
+    """Drafts sampled from a general q (DFlash2's selector, section 10), verified with min(1, P/q) and the residual
+    max(0, P - q): the token emitted at each position is P's, given the run reached it (accepting with P(d) alone,
+    or a residual of P without d, fails it: checked once each)."""
+    g = torch.Generator().manual_seed(1)
+    logits = 2 * torch.randn(4, 7, generator=g)  # the target after each of 4 block tokens, whatever came before
+    probs = sampling_probs(logits, **sampling)
+    q = torch.softmax(2 * torch.randn(3, 7, generator=g), -1)  # the drafter's q for slots 1..3, far from P
+    counts = torch.zeros(3, 7)
+    for _ in range(6000):
+        draft = torch.multinomial(q, 1, generator=g)[:, 0]
+        a, token, _ = verify_drafts(draft, logits, **sampling, generator=g, draft_probs=q)
+        for j, t in enumerate([*draft[:a].tolist(), int(token)][:3]):
+            counts[j, t] += 1
+    reached = counts.sum(-1)
+    assert reached[1] > 600  # position 2 is reached often enough to test; position 3 where it is too
+    for j in range(3):
+        if reached[j] > 300:
+            assert chi_square_p(counts[j], probs[j]) > 1e-3, f"position {j + 1}"
+
+
 class TableDecoder(SpeculativeDecoder):
     """Drafts a fixed continuation per block token (the real drafting path runs too): some drafts likely, some not."""
 

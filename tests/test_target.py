@@ -97,12 +97,12 @@ def test_target_compile_is_refused_off_cuda_and_when_sharded(tiny_target):
     with pytest.raises(ConfigError, match="target.compile: not with placement 'sharded'"):
         TargetFeatures(str(tiny_target), placement="sharded", compile=True)
     trainer = SimpleNamespace(datamodule=None, strategy=SimpleNamespace(root_device=torch.device("cpu")))
-    module = SimpleNamespace(drafter_config=SimpleNamespace(target_layer_ids=[1]))
-    callback = TargetFeatures(str(tiny_target), "float32", compile=True)
+    module = object()
+    callback = TargetFeatures(str(tiny_target), "float32", compile=True, layer_ids=[1])
     callback.load_extractor = lambda *a, **k: pytest.fail("the target loaded before the refusal")
     with pytest.raises(ConfigError, match="target.compile: compiles the target's layers on CUDA GPUs, .* on cpu"):
         callback.setup(trainer, module, "fit")
-    separate = TargetFeatures(str(tiny_target), "float32", "separate", ["cpu"], compile=True)
+    separate = TargetFeatures(str(tiny_target), "float32", "separate", ["cpu"], compile=True, layer_ids=[1])
     with pytest.raises(ConfigError, match="target.compile: .* on cpu"):
         separate.setup(trainer, module, "fit")
 
@@ -168,9 +168,8 @@ def test_sharded_placement_without_several_ranks_is_refused_naming_the_field(tin
 
     trainer = SimpleNamespace(datamodule=None, num_nodes=1, num_devices=1,
                               strategy=SimpleNamespace(root_device=torch.device("cpu")))
-    module = SimpleNamespace(drafter_config=SimpleNamespace(target_layer_ids=[1]))
     with pytest.raises(ValueError, match="target.placement 'sharded' needs a distributed strategy"):
-        TargetFeatures(str(tiny_target), "float32", "sharded").setup(trainer, module, "fit")
+        TargetFeatures(str(tiny_target), "float32", "sharded", layer_ids=[1]).setup(trainer, object(), "fit")
 
 
 def test_weight_map_reads_an_index_or_one_file_and_names_a_folder_without_weights(tiny_target, tmp_path):

@@ -1,7 +1,8 @@
 """`python -m dflash_lightning fit|validate`: LightningCLI over DFlashModule, DFlashDataModule and the target.
 
-Values that data, model and target must share are typed once and linked: the target path, the token budget
-and the block size.
+Values that data, model and target must share are typed once and linked (dflash_lightning/wiring.py checks them
+where they meet): the target path, the token budget, the block size, the feature cache, the drafter's target layers
+and whether the objective distills.
 """
 
 from __future__ import annotations
@@ -15,11 +16,11 @@ import torch
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 from dflash_lightning.data import DFlashDataModule
 from dflash_lightning.decoding.validation import SpeculativeValidation
+from dflash_lightning.lightning_compat import TypedSettingsCLI, adopt_class
 from dflash_lightning.long_runs.checkpointing import (
     AtomicCheckpointIO,
     CheckpointError,
@@ -38,7 +39,7 @@ from dflash_lightning.target_model import TargetFeatures
 log = logging.getLogger(__name__)
 
 
-class DFlashCLI(LightningCLI):
+class DFlashCLI(TypedSettingsCLI):
     """LightningCLI with `target`, `spec_eval`, `images` and `preemption` sections (callbacks) and the DFlash links."""
 
     @staticmethod
@@ -58,12 +59,14 @@ class DFlashCLI(LightningCLI):
         parser.link_arguments("target.path", "data.tokenizer")
         parser.link_arguments("data.token_budget", "model.token_budget")
         parser.link_arguments("model.drafter.block_size", "data.block_size")
-
-    def _parse_ckpt_path(self) -> None:
-        """Keep the typed settings: LightningCLI would replace them by the checkpoint's hyper-parameters.
-
-        The module compares the two when it loads the checkpoint and refuses changes to what is trained.
-        """
+        parser.link_arguments("target.path", "data.target")
+        parser.link_arguments("data.token_budget", "target.token_budget")
+        parser.link_arguments("data.feature_cache", "target.feature_cache")
+        # the resolved drafter's (its layer choice needs the target's config) once the model is built
+        for key in ("data.target_layer_ids", "target.layer_ids"):
+            parser.link_arguments("model", key, compute_fn=_layer_ids, apply_on="instantiate")
+        for key in ("data.final_hidden", "target.final_hidden"):
+            parser.link_arguments("model", key, compute_fn=_distills, apply_on="instantiate")
 
     # ---------------------------------------------------------------- checkpoints and the automatic resume
 
@@ -81,7 +84,7 @@ class DFlashCLI(LightningCLI):
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
         for cb in trainer.checkpoint_callbacks:
             if type(cb) is ModelCheckpoint:  # the configs' plain class: `last` kept the newest (see RunCheckpoint)
-                cb.__class__ = RunCheckpoint
+                adopt_class(cb, RunCheckpoint)
             if isinstance(cb, ModelCheckpoint) and cb.dirpath is None:  # version_N/ would change on every start
                 cb.dirpath = str(Path(trainer.default_root_dir, "checkpoints").resolve())
         for logger in trainer.loggers:
@@ -93,7 +96,8 @@ class DFlashCLI(LightningCLI):
         return trainer
 
     def _names_checkpoint_io(self) -> bool:
-        plugins = self._get(self.config_init, "trainer", default={}).get("plugins") or []
+        config = self.config_init[self.subcommand] if self.subcommand else self.config_init
+        plugins = config.get("trainer", {}).get("plugins") or []
         return any(isinstance(p, CheckpointIO) for p in (plugins if isinstance(plugins, list) else [plugins]))
 
     def fit(self, model: DFlashModule, ckpt_path: str | None = None, **kwargs: Any) -> None:
@@ -125,6 +129,14 @@ class DFlashCLI(LightningCLI):
         self.model.check_device(self.trainer.strategy.root_device, self.trainer.precision_plugin.precision)
 
     before_validate = before_fit
+
+
+def _layer_ids(model: DFlashModule) -> list[int]:
+    return list(model.drafter_config.target_layer_ids)
+
+
+def _distills(model: DFlashModule) -> bool:
+    return model.loss_settings.distills
 
 
 def main(argv: Sequence[str] | None = None, run: bool = True) -> DFlashCLI:

@@ -104,6 +104,35 @@ def iter_records(path: Path) -> Iterator[tuple[str, Any]]:
         yield from _iter_jsonl(path)
 
 
+def iter_full_records(path: Path) -> Iterator[tuple[str, Any]]:
+    """`(location, record)` of every record with all its keys (`iter_records` keeps only the conversation)."""
+    if path.is_dir() or path.suffix in PARQUET_SUFFIXES:
+        import pyarrow.parquet as pq
+
+        shards = _arrow_files(path) if path.is_dir() else [path]
+        number = 0
+        for shard in shards:
+            batches = _arrow_batches(shard) if path.is_dir() else pq.ParquetFile(shard).iter_batches(batch_size=1024)
+            for batch in batches:
+                for record in batch.to_pylist():
+                    number += 1
+                    yield f"{shard}:row {number}", record
+    else:
+        yield from iter_records(path)
+
+
+def count_records(path: Path) -> int:
+    """How many records `iter_full_records` yields, cheaply (for the progress bar)."""
+    if path.suffix in PARQUET_SUFFIXES:
+        import pyarrow.parquet as pq
+
+        return pq.ParquetFile(path).metadata.num_rows
+    if path.is_dir():
+        return sum(b.num_rows for shard in _arrow_files(path) for b in _arrow_batches(shard))
+    with path.open("rb") as f:
+        return sum(1 for line in f if line.strip())
+
+
 def _iter_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
     with path.open("rb") as f:  # bytes, so that invalid UTF-8 is reported per line rather than per file
         for number, raw in enumerate(f, start=1):

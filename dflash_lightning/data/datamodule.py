@@ -21,6 +21,7 @@ from lightning.pytorch import LightningDataModule
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
+from dflash_lightning import lightning_compat as compat
 from dflash_lightning.blocks import anchor_seed
 from dflash_lightning.data.conversations import (
     DataError,
@@ -37,6 +38,8 @@ from dflash_lightning.data.packing import (
     padding_fraction,
     shard_rows,
 )
+from dflash_lightning.target_model.loading import load_target_config
+from dflash_lightning.wiring import check_wiring
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -164,6 +167,11 @@ class DFlashDataModule(LightningDataModule):
         feature_cache: Folder written by `python -m dflash_lightning cache`: batches then carry
             `context_features` [T, K*H] read from it, and the run needs no target (leave out the `target`
             callback). The cache must match the data, tokenizer, settings, target and layer ids (checked in setup).
+        target: With `feature_cache`: the target whose features the cache must hold (linked from `target.path`).
+        target_layer_ids: With `feature_cache`: the target layers of the features, the drafter's `target_layer_ids`
+            (linked from the model); None: the cache's target and layers are not checked.
+        final_hidden: With `feature_cache`: also serve the target's final hidden states, distillation's teacher
+            (linked: whether `model.objective` distills).
     """
 
     def __init__(
@@ -185,9 +193,16 @@ class DFlashDataModule(LightningDataModule):
         val_batches: int | None = None,
         cache_dir: str | None = None,
         feature_cache: str | None = None,
+        target: str | None = None,
+        target_layer_ids: list[int] | None = None,
+        final_hidden: bool = False,
     ) -> None:
         super().__init__()
-        self.save_hyperparameters()
+        # the drafter's values, recorded in checkpoints as the model's: not again as data settings
+        self.save_hyperparameters(ignore=["target", "target_layer_ids", "final_hidden"])
+        self.target = target
+        self.target_layer_ids = list(target_layer_ids) if target_layer_ids is not None else None
+        self.final_hidden = final_hidden
         if max_length is None:
             max_length = token_budget
         for ok, message in (
@@ -264,6 +279,9 @@ class DFlashDataModule(LightningDataModule):
             splits.append("val")
         for split in splits:
             self.samples(split)
+        module = self.trainer.lightning_module if self.trainer is not None else None
+        if hasattr(module, "drafter_config"):  # values given by hand must agree with the module's
+            check_wiring(module, self)
         if self.hparams.feature_cache is not None:
             self._open_feature_cache([s for s in splits if s not in self._features])
 
@@ -278,20 +296,20 @@ class DFlashDataModule(LightningDataModule):
         return self.val_samples
 
     def _open_feature_cache(self, splits: list[str]) -> None:
-        """Checks the cache against this data (and the trainer's drafter, if any) and opens its splits."""
+        """Checks the cache against this data (and the target's layers, if given) and opens its splits."""
         if not splits:
             return
         cache = FeatureCache(self.hparams.feature_cache)
         paths = {"train": self.train_paths, "val": self.val_paths}
         expected = data_header(self, {s: (paths[s], self.samples(s)) for s in splits})
-        module = self.trainer.lightning_module if self.trainer is not None else None
-        drafter = getattr(module, "drafter_config", None)
-        if drafter is not None:  # the features must be those of the drafter's target and layers
-            expected |= target_header(module.hparams.target, drafter.target_layer_ids, drafter.hidden_size)
+        if self.target_layer_ids is not None:  # the features must be those of the drafter's target and layers
+            if not self.target:
+                raise ValueError("data.target: needed with data.target_layer_ids, to check the feature cache's target")
+            hidden = load_target_config(self.target).hidden_size  # the drafter's too (it shares the target's head)
+            expected |= target_header(self.target, self.target_layer_ids, hidden)
         cache.check(expected)
-        final = getattr(getattr(module, "loss_settings", None), "distills", False)  # distillation's teacher
         for split in splits:
-            self._features[split] = cache.split(split, final)
+            self._features[split] = cache.split(split, self.final_hidden)
         _rank_zero(logging.INFO, f"context features of {', '.join(splits)} from {cache.folder} "
                    f"({cache.feature_format}, {cache.manifest['feature_dim']} per token)")
 
@@ -476,7 +494,7 @@ class DFlashDataModule(LightningDataModule):
         if self._fitting():
             # the loader runs ahead of the step (Lightning prefetches); count the batches the loop processed
             epoch = self.trainer.current_epoch
-            served = self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
+            served = compat.processed_batches(self.trainer)
         documents = len(self.train_samples) if self.train_samples is not None else -1
         _, world_size = self._rank_and_world_size()
         return {"epoch": epoch, "rows_served": served * world_size, "world_size": world_size, "documents": documents}

@@ -194,18 +194,28 @@ class CandidateSelector(nn.Module):
         self.hidden_projection = nn.Linear(config.hidden_size, r, bias=False)
 
     @torch.no_grad()
-    def greedy(self, hidden: torch.Tensor, logits: torch.Tensor, first_prev: int) -> torch.Tensor:
-        """Drafts of consecutive slots `hidden [n, H]`, `logits [n, V]`: argmax score slot by slot, prev the
-        block's first token, then each pick.  # [n]"""
+    def draft(
+        self, hidden: torch.Tensor, logits: torch.Tensor, first_prev: int, temperature: float = 0.0,
+        generator: torch.Generator | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Drafts of consecutive slots `hidden [n, H]`, `logits [n, V]`, slot by slot with prev the block's first
+        token, then each pick: the argmax score (temperature 0; q None), or a sample of q = softmax(score / T) over
+        the K candidates, with q `[n, V]` (0 off the candidates) for verification.  # [n], [n, V] | None"""
         unary, ids = logits.float().topk(self.top_k, dim=-1)  # [n, K]
         projected = self.hidden_projection(hidden.to(self.hidden_projection.weight.dtype)).float()  # [n, r]
+        q = None if temperature == 0 else torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
         prev, picks = first_prev, []
         for i in range(ids.shape[0]):
             query = self.predecessor_codebook[prev].float() * projected[i]  # [r]
             score = unary[i] + self.successor_codebook[ids[i]].float() @ query  # [K]
-            prev = int(ids[i, score.argmax()])
+            if q is None:
+                pick = score.argmax()
+            else:
+                q[i, ids[i]] = probs = torch.softmax(score / temperature, -1)
+                pick = torch.multinomial(probs, 1, generator=generator)[0]
+            prev = int(ids[i, pick])
             picks.append(prev)
-        return torch.tensor(picks, dtype=torch.long, device=logits.device)
+        return torch.tensor(picks, dtype=torch.long, device=logits.device), q
 
 
 class DFlashDecoderLayer(nn.Module):
@@ -287,9 +297,13 @@ class DFlashDraftModel(PreTrainedModel):
             x = layer(x, context, cos, sin, attention_mask, past_key_values)
         return self.norm(x)
 
-    def propose(self, hidden: torch.Tensor, logits: torch.Tensor, first_prev: int) -> torch.Tensor:
-        """Greedy drafts of slots 1.. from their hidden states `[n, H]` and logits `[n, V]`: the argmax.  # [n]"""
-        return logits.argmax(-1)
+    def propose(
+        self, hidden: torch.Tensor, logits: torch.Tensor, first_prev: int, temperature: float = 0.0,
+        generator: torch.Generator | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Drafts of slots 1.. from their hidden states `[n, H]` and logits `[n, V]`, and their draft distributions
+        (None: point masses). DFlash proposes the argmax, also when sampling (docs/method.md 6b).  # [n], None"""
+        return logits.argmax(-1), None
 
     def target_features(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """Context features from a target's `output_hidden_states`: outputs of the target layers.  # [b, n, K*H]"""
@@ -327,10 +341,13 @@ class DFlashDraftModel(PreTrainedModel):
             hidden = self(positions, noise_embedding=embed(block), target_hidden=context,
                           past_key_values=draft_cache, use_cache=True)
             _crop(draft_cache, start)  # keep the context K/V, drop the block's
-            block[0, 1:] = self.propose(hidden[0, 1:], head(hidden[0, 1:].to(head.weight.dtype)), int(block[0, 0]))
+            drafts, q = self.propose(hidden[0, 1:], head(hidden[0, 1:].to(head.weight.dtype)), int(block[0, 0]),
+                                     temperature, generator)
+            block[0, 1:] = drafts
             block = block[:, : min(B, max_new_tokens - len(tokens))]  # verify only tokens still wanted
+            q = None if q is None else q[: block.shape[1] - 1]
             out = target(input_ids=block, **{cache_arg: target_cache}, use_cache=True, output_hidden_states=True)
-            a, bonus, _ = verify_drafts(block[0, 1:], out.logits[0], **sampling)
+            a, bonus, _ = verify_drafts(block[0, 1:], out.logits[0], **sampling, draft_probs=q)
             new = block[0, 1: a + 1].tolist() + [int(bonus)]
             tokens += new
             start += a + 1
@@ -358,9 +375,12 @@ class DFlash2DraftModel(DFlashDraftModel):
         self.candidate_selector = CandidateSelector(config)
         self.post_init()
 
-    def propose(self, hidden: torch.Tensor, logits: torch.Tensor, first_prev: int) -> torch.Tensor:
-        """Greedy drafts along the selector's choices (prev: the block's first token, then each pick).  # [n]"""
-        return self.candidate_selector.greedy(hidden, logits, first_prev)
+    def propose(
+        self, hidden: torch.Tensor, logits: torch.Tensor, first_prev: int, temperature: float = 0.0,
+        generator: torch.Generator | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Drafts along the selector's choices, greedy or sampled from q (section 10), and q.  # [n], [n, V] | None"""
+        return self.candidate_selector.draft(hidden, logits, first_prev, temperature, generator)
 
 
 def _crop(cache, length: int) -> None:

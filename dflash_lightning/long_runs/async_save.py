@@ -8,7 +8,7 @@ import logging
 import sys
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,24 +113,27 @@ class AsyncAtomicCheckpointIO(AsyncCheckpointIO):
         super().__init__(checkpoint_io if checkpoint_io is not None else AtomicCheckpointIO())
         self.host_copy = HostCopy(pin_memory)
         self.timings: list[SaveTiming] = []
+        # the worker and its state are this class's own (the base class's are private to Lightning)
+        self._worker: ThreadPoolExecutor | None = None
         self._last: Future | None = None  # the last task queued
-        self._raised = False  # the error was raised on the training thread already
+        self._failure: BaseException | None = None  # the first failed task; nothing runs after it
+        self._raised = False  # the failure was raised on the training thread already
 
     # ------------------------------------------------------------------------------------ the queue
 
     def _queue(self, fn: Callable[..., Any], *args: Any) -> None:
-        self._ensure_setup()
+        if self._worker is None:  # made here, not in __init__: teardown ends it after each fit
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
 
         def task() -> None:
-            if self._error is not None:  # nothing after a failed write: no deletion, no link to it
+            if self._failure is not None:  # nothing after a failed write: no deletion, no link to it
                 return
             try:
                 fn(*args)
             except BaseException as err:
-                self._error = err
+                self._failure = err
 
-        assert self._executor is not None
-        self._last = self._executor.submit(task)
+        self._last = self._worker.submit(task)
 
     def after_writes(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run `fn(*args)` on the worker once the writes queued so far are complete (skipped if one failed)."""
@@ -139,22 +142,22 @@ class AsyncAtomicCheckpointIO(AsyncCheckpointIO):
     def wait(self) -> None:
         """Block until every queued write, deletion and link is done; raise the error of a failed one."""
         if self._last is not None:
-            self._last.result()  # the task keeps its error in self._error
+            self._last.result()  # the task keeps its error in self._failure
         self.raise_error()
 
     def raise_error(self) -> None:
         """Raise a background failure on this thread (once); a no-op while none happened."""
-        if self._error is not None and not self._raised:
+        if self._failure is not None and not self._raised:
             self._raised = True
-            raise self._error
+            raise self._failure
 
     # ------------------------------------------------------------------------------------ CheckpointIO
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
         start = time.perf_counter()
         self.wait()  # the save before: its buffers are reused, and its failure stops the run here
-        if self._error is not None:  # raised before (at a step): no save is queued after a failed one
-            raise self._error
+        if self._failure is not None:  # raised before (at a step): no save is queued after a failed one
+            raise self._failure
         waited = time.perf_counter()
         snapshot = self.host_copy(checkpoint)
         timing = SaveTiming(str(path), waited - start, time.perf_counter() - waited)
@@ -175,11 +178,11 @@ class AsyncAtomicCheckpointIO(AsyncCheckpointIO):
     def teardown(self) -> None:
         """Wait for every queued write (the end of a run, or an error stopping it); raise a failure not raised
         yet, or log it when another error is already stopping the run."""
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
-        err, raised = self._error, self._raised
-        self._error, self._raised, self._last = None, False, None
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
+        err, raised = self._failure, self._raised
+        self._failure, self._raised, self._last = None, False, None
         if err is None or raised:
             return
         if sys.exc_info()[1] is not None:  # another error is stopping the run: it goes on; this one is named

@@ -23,6 +23,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import Tensor
 
+from dflash_lightning import lightning_compat as compat
 from dflash_lightning.long_runs.atomic import link_atomic, write_atomic
 
 log = logging.getLogger(__name__)
@@ -243,23 +244,25 @@ class RunCheckpoint(ModelCheckpoint):
     at it; `last` is replaced in place, never versioned. The CLI gives every plain `ModelCheckpoint` this class.
     """
 
+    # overrides the private hook of every `last` save (compat.save_last; checked by tests/test_lightning_compat.py)
     def _save_last_checkpoint(self, trainer: Trainer, monitor_candidates: dict[str, Tensor]) -> None:
         if not self.save_last:
             return
-        if (self.save_last == "link" and self.save_top_k != 0 and self._last_global_step_saved != trainer.global_step
+        if (self.save_last == "link" and self.save_top_k != 0 and compat.saved_step(self) != trainer.global_step
                 and (self.monitor is None or self.monitor in monitor_candidates)):
-            self._save_topk_checkpoint(trainer, monitor_candidates)
+            compat.save_top_k(self, trainer, monitor_candidates)
         filepath = self.format_checkpoint_name(monitor_candidates, self.CHECKPOINT_NAME_LAST)
         previous, self.last_model_path = self.last_model_path, filepath
-        fresh = (self._last_global_step_saved == trainer.global_step and bool(self._last_checkpoint_saved)
-                 and self._last_checkpoint_saved != filepath)
+        fresh = (compat.saved_step(self) == trainer.global_step and bool(compat.saved_path(self))
+                 and compat.saved_path(self) != filepath)
         if self.save_last == "link" and self.save_top_k != 0 and fresh:
-            self._link_checkpoint(trainer, self._last_checkpoint_saved, filepath)
+            compat.link_checkpoint(self, trainer, compat.saved_path(self), filepath)
         else:  # no step file of this step (not in the top K): the whole state under the last name, atomically
-            self._save_checkpoint(trainer, filepath)
-        if previous and previous != filepath and self._should_remove_checkpoint(trainer, previous, filepath):
-            self._remove_checkpoint(trainer, previous)  # a `last-vN.ckpt` of an older version of this project
+            compat.write_checkpoint(self, trainer, filepath)
+        if previous and previous != filepath and compat.should_remove(self, trainer, previous, filepath):
+            compat.remove_checkpoint(self, trainer, previous)  # a `last-vN.ckpt` of an older version of this project
 
+    # overrides the private hook of every link (compat.link_checkpoint; checked by tests/test_lightning_compat.py)
     @staticmethod
     def _link_checkpoint(trainer: Trainer, filepath: str, linkpath: str) -> None:
         # Lightning removes `last.ckpt`, then links it: in between there is none. Here it is switched in one
@@ -278,8 +281,8 @@ class RunCheckpoint(ModelCheckpoint):
     def on_train_end(self, trainer: Trainer, pl_module: Any) -> None:
         # Lightning saves `last` at the end only when nothing was saved in this process; a run whose last step is
         # not a periodic one would leave `last` at an older step.
-        if self.save_last and not self._should_skip_saving_checkpoint(trainer) and trainer.global_step:
-            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        if self.save_last and not compat.skips_saving(self, trainer) and trainer.global_step:
+            compat.save_last(self, trainer, compat.monitor_candidates(self, trainer))
 
 
 def move_aside(folder: str | Path) -> Path | None:

@@ -19,6 +19,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from dflash_lightning import lightning_compat as compat
 from dflash_lightning.long_runs.async_save import (
     AsyncAtomicCheckpointIO,
     expected_checkpoint_bytes,
@@ -94,10 +95,13 @@ class Preemption(Callback):
         if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
             # a host-side group: agreeing on the flag each step never waits for the GPU
             self._group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
+        self._reported_write = False
         if trainer.is_global_zero:
             self._report_size(trainer, pl_module)
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if not self._reported_write and trainer.is_global_zero:  # a first write completed after the last step
+            self._report_write(trainer)
         for sig, handler in self._previous.items():
             if threading.current_thread() is threading.main_thread() and handler is not None:
                 signal.signal(sig, handler)
@@ -117,7 +121,7 @@ class Preemption(Callback):
                            batch_idx: int) -> None:
         if not self._reported_write and trainer.is_global_zero:
             self._report_write(trainer)
-        if trainer.fit_loop.epoch_loop._should_accumulate():
+        if compat.inside_accumulation(trainer):
             return  # inside a gradient accumulation: its gradients are not saved, so stop at the optimizer step
         signum = self._agreed_signal()
         if not signum:
@@ -137,16 +141,16 @@ class Preemption(Callback):
         keep-last-K rotation); returns its path."""
         callbacks = [c for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint)]
         for cb in callbacks:
-            if cb._last_global_step_saved == trainer.global_step:  # it saved this very step already
-                return cb.last_model_path or cb._last_checkpoint_saved
+            if compat.saved_step(cb) == trainer.global_step:  # it saved this very step already
+                return cb.last_model_path or compat.saved_path(cb)
         for cb in callbacks:
             # what ModelCheckpoint does on a step it saves at (Lightning has no public "save now")
-            candidates = cb._monitor_candidates(trainer)
+            candidates = compat.monitor_candidates(cb, trainer)
             if cb.monitor is None or cb.monitor in candidates:
-                cb._save_topk_checkpoint(trainer, candidates)
-            cb._save_last_checkpoint(trainer, candidates)
-            if cb._last_global_step_saved == trainer.global_step:
-                return cb.last_model_path or cb._last_checkpoint_saved
+                compat.save_top_k(cb, trainer, candidates)
+            compat.save_last(cb, trainer, candidates)
+            if compat.saved_step(cb) == trainer.global_step:
+                return cb.last_model_path or compat.saved_path(cb)
         folder = callbacks[0].dirpath if callbacks and callbacks[0].dirpath else os.path.join(
             trainer.default_root_dir, "checkpoints")
         path = os.path.join(folder, f"preempted-step={trainer.global_step}.ckpt")

@@ -9,6 +9,7 @@ import json
 import logging
 from typing import Any
 
+from dflash_lightning import lightning_compat as compat
 from dflash_lightning.config import ConfigError
 from dflash_lightning.target_model.fingerprints import target_fingerprint, tokenizer_sha256
 
@@ -50,7 +51,7 @@ def run_record(module: Any) -> dict[str, Any]:
     record |= {f"model.{k}": v for k, v in hp.items() if k != "drafter" and not k.startswith("_")}
     record["target.path"] = str(hp.target)
     record |= {f"target.{k}": v for k, v in target_fingerprint(hp.target).items()}
-    trainer = module._trainer  # None outside a Trainer (the property raises)
+    trainer = compat.attached_trainer(module)
     dm = getattr(trainer, "datamodule", None) if trainer is not None else None
     data = getattr(dm, "hparams", None) or {}
     tokenizer = data.get("tokenizer") or hp.target
@@ -127,7 +128,7 @@ def rescale_loop_progress(checkpoint: dict[str, Any], old_world: int, new_world:
     """
     if old_world == new_world or "loops" not in checkpoint:
         return
-    progress = checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]
+    progress = compat.saved_batch_progress(checkpoint)
     for scope in ("total", "current"):
         counters = progress[scope]
         base = counters["processed"]

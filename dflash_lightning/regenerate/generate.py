@@ -11,6 +11,8 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -18,12 +20,10 @@ import torch
 
 from dflash_lightning.data.conversations import (
     FORMAT_KEYS,
-    PARQUET_SUFFIXES,
     DataError,
     Message,
-    _arrow_batches,
-    _arrow_files,
-    iter_records,
+    count_records,
+    iter_full_records,
     resolve_files,
     to_messages,
 )
@@ -42,35 +42,6 @@ Backend = Literal["hf", "openai"]
 
 
 # ------------------------------------------------------------------------------------------- reading
-
-
-def iter_full_records(path: Path) -> Iterator[tuple[str, Any]]:
-    """`(location, record)` of every record with all its keys (`iter_records` keeps only the conversation)."""
-    if path.is_dir() or path.suffix in PARQUET_SUFFIXES:
-        import pyarrow.parquet as pq
-
-        shards = _arrow_files(path) if path.is_dir() else [path]
-        number = 0
-        for shard in shards:
-            batches = _arrow_batches(shard) if path.is_dir() else pq.ParquetFile(shard).iter_batches(batch_size=1024)
-            for batch in batches:
-                for record in batch.to_pylist():
-                    number += 1
-                    yield f"{shard}:row {number}", record
-    else:
-        yield from iter_records(path)
-
-
-def count_records(path: Path) -> int:
-    """How many records `iter_full_records` yields, cheaply (for the progress bar)."""
-    if path.suffix in PARQUET_SUFFIXES:
-        import pyarrow.parquet as pq
-
-        return pq.ParquetFile(path).metadata.num_rows
-    if path.is_dir():
-        return sum(b.num_rows for shard in _arrow_files(path) for b in _arrow_batches(shard))
-    with path.open("rb") as f:
-        return sum(1 for line in f if line.strip())
 
 
 def conversation(record: Any, fmt: Literal["auto", "messages", "sharegpt"], location: str) -> list[Message]:
@@ -269,8 +240,7 @@ def regenerate(
         rejects: JSONL file of the rejected records; None: `out` + ".rejects" (not matched by a *.jsonl glob).
         progress: Show a progress bar.
     """
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
+    sampling = Sampling(max_new_tokens, temperature, top_p, top_k, list(stop or []), seed)
     if batch_size < 1 or max_new_tokens < 1 or temperature < 0 or concurrency < 1 or max_retries < 0:
         raise ValueError(f"need batch_size >= 1, max_new_tokens >= 1, temperature >= 0, concurrency >= 1, "
                          f"max_retries >= 0; got {batch_size}, {max_new_tokens}, {temperature}, {concurrency}, "
@@ -278,10 +248,9 @@ def regenerate(
     files = resolve_files(input_files, "input_files")
     out_path = Path(out)
     rejects_path = Path(rejects) if rejects is not None else out_path.with_name(out_path.name + ".rejects")
-    stop = list(stop or [])
     template_kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
-    server = None
     base_urls = [base_url] if isinstance(base_url, str) else list(base_url or [])
+    servers, server = None, None
     if backend == "openai":
         from dflash_lightning.regenerate import openai_backend as ro
 
@@ -289,12 +258,7 @@ def regenerate(
         target, server = servers.identify(target)
     elif target is None:
         raise ValueError("backend 'hf' needs --target: the target's Hugging Face folder or hub id")
-    settings = {"input_files": [str(p) for p in files], "target": target, "format": format,
-                "enable_thinking": enable_thinking, "max_new_tokens": max_new_tokens, "temperature": temperature,
-                "top_p": top_p, "top_k": top_k, "seed": seed, "stop": stop or None, "backend": backend,
-                "server": server}
-    if backend == "openai":
-        settings["base_url"] = base_urls  # for the record; a server may move between runs
+    settings = run_settings(files, target, backend, server, base_urls, format, enable_thinking, sampling)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     start = resume_point(out_path)
     check_settings(out_path, settings)
@@ -303,51 +267,83 @@ def regenerate(
     total = sum(count_records(p) for p in files)
     end = total if limit is None else min(limit, total)
     counts: Counter[str] = Counter()
+    began = time.monotonic()
+    with progress_bar(progress, max(0, end - start), counts) as done, \
+            OrderedWriter(out_path, rejects_path, start, counts) as writer:
+        items = conversations(pending_records(files, start, end), writer, format, on_bad_record, done)
+        if servers is not None:
+            servers.run(items, writer, counts, done, model=target, concurrency=concurrency, abort_after=abort_after,
+                        template_kwargs=template_kwargs, **asdict(sampling))
+        else:
+            run_hf(items, writer, counts, done, target=target, device=device, dtype=dtype, batch_size=batch_size,
+                   template_kwargs=template_kwargs, **asdict(sampling))
+    print(summary(counts, start, end, out_path, rejects_path, time.monotonic() - began))
+    return out_path
 
-    def pending() -> Iterator[tuple[int, str, Any]]:
-        index = 0
-        for path in files:
-            for location, record in iter_full_records(path):
-                if index >= end:
-                    return
-                if index >= start:
-                    yield index, location, record
-                index += 1
 
-    def conversations(writer: OrderedWriter) -> Iterator[Conversation]:
-        for index, location, record in pending():
-            try:
-                if isinstance(record, DataError):
-                    raise record
-                messages = conversation(record, format, location)
-            except DataError as err:
-                if on_bad_record == "error":
-                    raise
-                writer.reject(index, location, f"bad record: {err.reason}", str(err), record)
-                done(1)
-                continue
-            yield index, location, record, messages
+@dataclass(frozen=True)
+class Sampling:
+    """How every answer is decoded, the same in both backends (the fields are `regenerate`'s arguments)."""
+
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    stop: list[str]
+    seed: int
+
+
+def run_settings(files: list[Path], target: str, backend: Backend, server: Any, base_urls: list[str],
+                 fmt: str, enable_thinking: bool | None, sampling: Sampling) -> dict[str, Any]:
+    """What decides the output's lines, recorded beside it: a resumed run must repeat it (output.check_settings)."""
+    settings = {"input_files": [str(p) for p in files], "target": target, "format": fmt,
+                "enable_thinking": enable_thinking, "max_new_tokens": sampling.max_new_tokens,
+                "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
+                "seed": sampling.seed, "stop": sampling.stop or None, "backend": backend, "server": server}
+    if backend == "openai":
+        settings["base_url"] = base_urls  # for the record; a server may move between runs
+    return settings
+
+
+def pending_records(files: list[Path], start: int, end: int) -> Iterator[tuple[int, str, Any]]:
+    """`(source index, location, record)` of the records `start..end - 1` over the files in order."""
+    index = 0
+    for path in files:
+        for location, record in iter_full_records(path):
+            if index >= end:
+                return
+            if index >= start:
+                yield index, location, record
+            index += 1
+
+
+def conversations(records: Iterator[tuple[int, str, Any]], writer: OrderedWriter, fmt: str, on_bad_record: str,
+                  done: Callable[[int], None]) -> Iterator[Conversation]:
+    """The records as conversations to regenerate; a bad one raises (`error`) or is rejected and counted (`skip`)."""
+    for index, location, record in records:
+        try:
+            if isinstance(record, DataError):
+                raise record
+            messages = conversation(record, fmt, location)
+        except DataError as err:
+            if on_bad_record == "error":
+                raise
+            writer.reject(index, location, f"bad record: {err.reason}", str(err), record)
+            done(1)
+            continue
+        yield index, location, record, messages
+
+
+@contextmanager
+def progress_bar(show: bool, total: int, counts: Counter[str]) -> Iterator[Callable[[int], None]]:
+    """A rich progress bar over `total` records; yields `done(n)`, which advances it by n records."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), rate_column(),
                TimeElapsedColumn())
-    began = time.monotonic()
-    with Progress(*columns, disable=not progress) as bar, \
-            OrderedWriter(out_path, rejects_path, start, counts) as writer:
-        task = bar.add_task("regenerating", total=max(0, end - start), tokens=0)
-
-        def done(records: int) -> None:
-            bar.update(task, advance=records, tokens=counts["tokens"])
-
-        sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, stop=stop,
-                        seed=seed)
-        if backend == "openai":
-            servers.run(conversations(writer), writer, counts, done, model=target, concurrency=concurrency,
-                        abort_after=abort_after, template_kwargs=template_kwargs, **sampling)
-        else:
-            run_hf(conversations(writer), writer, counts, done, target=target, device=device, dtype=dtype,
-                   batch_size=batch_size, template_kwargs=template_kwargs, **sampling)
-    print(summary(counts, start, end, out_path, rejects_path, time.monotonic() - began))
-    return out_path
+    with Progress(*columns, disable=not show) as bar:
+        task = bar.add_task("regenerating", total=total, tokens=0)
+        yield lambda records: bar.update(task, advance=records, tokens=counts["tokens"])
 
 
 def summary(counts: Counter[str], start: int, end: int, out: Path, rejects: Path, seconds: float) -> str:

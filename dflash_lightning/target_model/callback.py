@@ -18,6 +18,7 @@ from dflash_lightning.target_model.features import FeatureExtractor
 from dflash_lightning.target_model.loading import DTYPES
 from dflash_lightning.target_model.separate import FeaturePrefetcher, rank_devices
 from dflash_lightning.target_model.sharded import node_mesh
+from dflash_lightning.wiring import check_wiring
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -36,6 +37,10 @@ class TargetFeatures(Callback):
         attn_implementation: str = "auto",
         fp8: bool = False,
         compile: bool = False,
+        layer_ids: list[int] | None = None,
+        final_hidden: bool = False,
+        token_budget: int | None = None,
+        feature_cache: str | None = None,
     ) -> None:
         """
         Args:
@@ -55,6 +60,13 @@ class TargetFeatures(Callback):
                 row), loaded from `dtype` weights; the features then match a target served in FP8.
             compile: Compile the target's decoder layers (CUDA, placements colocated and separate): the norms,
                 RoPE and, with `fp8`, the activations' scales and casts fuse into a few kernels per layer.
+            layer_ids: Target layers whose hidden states are the context features: the drafter's
+                `target_layer_ids` (linked from the model in the CLI).
+            final_hidden: Also give the target's final normed hidden states, distillation's teacher (linked: whether
+                `model.objective` distills).
+            token_budget: Tokens of the warm-up row of a separate target (linked from `data.token_budget`).
+            feature_cache: The data module's feature cache (linked from `data.feature_cache`): with one, no target
+                is loaded, the cache serves the features.
         """
         if placement == "separate" and not target_devices:
             raise ValueError("target.target_devices: name the devices of the target for placement 'separate'")
@@ -67,24 +79,30 @@ class TargetFeatures(Callback):
         if compile and placement == "sharded":
             raise ConfigError("target.compile: not with placement 'sharded' (its layers gather their weights "
                               "through FSDP hooks); use colocated or separate, or drop target.compile")
+        if feature_cache and fp8:  # the cache's features came from the target it was written with
+            raise ConfigError(f"target.fp8: data.feature_cache {feature_cache} serves stored features, no target "
+                              "runs; drop target.fp8 (FP8 target features are not cached)")
         self.path, self.dtype, self.placement, self.attn_implementation = path, dtype, placement, attn_implementation
         self.target_devices, self.prefetch, self.fp8 = list(target_devices or []), prefetch, fp8
         self.compile = compile
+        self.layer_ids = list(layer_ids) if layer_ids is not None else None
+        self.final_hidden, self.token_budget, self.feature_cache = final_hidden, token_budget, feature_cache
         self.extractor: FeatureExtractor | None = None
         self.extractors: list[FeatureExtractor] = []
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if self.extractor is not None or self.extractors:
             return
-        cache = getattr(trainer.datamodule, "hparams", {}).get("feature_cache")
-        if cache and self.fp8:  # the cache's features came from the target it was written with
-            raise ConfigError(f"target.fp8: data.feature_cache {cache} serves stored features, no target runs; "
-                              "drop target.fp8 (FP8 target features are not cached)")
-        if cache:
+        if hasattr(pl_module, "drafter_config"):  # values given by hand must agree with the module's
+            data = trainer.datamodule if hasattr(trainer.datamodule, "target_layer_ids") else None  # a DFlashDataModule
+            check_wiring(pl_module, data, self)
+        if self.feature_cache:
             return  # the data module serves cached context features; no target is needed
-        layer_ids = pl_module.drafter_config.target_layer_ids
-        # Distillation's teacher is the target's final normed hidden state: then the whole target runs.
-        final = getattr(getattr(pl_module, "loss_settings", None), "distills", False)
+        if self.layer_ids is None:
+            raise ConfigError("target.layer_ids: not given; pass the drafter's target_layer_ids "
+                              "(TargetFeatures(..., layer_ids=module.drafter_config.target_layer_ids))")
+        layer_ids = self.layer_ids
+        final = self.final_hidden  # distillation's teacher, the final normed hidden state: then the whole target runs
 
         devices = [trainer.strategy.root_device] if self.placement != "separate" else self.target_devices
         for device in devices:  # before any weight is read
@@ -102,7 +120,7 @@ class TargetFeatures(Callback):
         devices = rank_devices(self.target_devices, trainer.local_rank, trainer.num_devices)
         self.extractors = [self.load_extractor(d, layer_ids, final_hidden=final) for d in devices]
         for extractor in self.extractors:  # compile a GPU target's flex kernel here, never in a prefetch thread
-            warm_up(extractor, getattr(pl_module, "hparams", {}).get("token_budget"))
+            warm_up(extractor, self.token_budget)
         datamodule, device = trainer.datamodule, trainer.strategy.root_device
         for name in ("train_dataloader", "val_dataloader"):
             if not is_overridden(name, datamodule):  # a data module without validation keeps it that way
