@@ -271,10 +271,27 @@ def test_the_checkpoint_size_is_printed_at_the_start_and_the_write_rate_after_th
     optimizer = checkpointing.checkpoint_bytes(saved["optimizer_states"])
     assert 0 <= optimizer - state <= 64 * len(saved["optimizer_states"][0]["state"])  # + the step counts
     assert "checkpoint written: " in text and "MB/s); training stalled" in text
+    assert "of host memory reserved for background saves" in text  # after the first step, before any save
     warning = [r for r in caplog.records if "preemption.grace_s=0.001" in r.getMessage()]
     assert len(warning) == 1 and "\n" not in warning[0].getMessage()
     with pytest.raises(ValueError, match="preemption.grace_s must be > 0"):
         fit(config, "--preemption.grace_s=0")
+
+
+def test_host_memory_reserved_after_the_first_step_serves_every_save_without_new_buffers():
+    """`reserve` allocates one buffer per storage of the weights and moments; the saves then allocate nothing."""
+    weights = {"a": torch.randn(10), "b": torch.randn(3, 4), "tied": None}
+    weights["tied"] = weights["a"][2:5]  # a view: its storage is a's
+    moments = [torch.randn(10), torch.randn(3, 4)]
+    copy = HostCopy()
+    added = copy.reserve([*weights.values(), *moments])
+    assert added == sum(t.untyped_storage().nbytes() for t in (weights["a"], weights["b"], *moments))
+    before = [b.data_ptr() for b in copy.buffers]
+    for _ in range(2):
+        snap = copy({"state_dict": weights, "optimizer_states": [{"state": {0: {"m": moments[0], "v": moments[1]}}}]})
+        assert [b.data_ptr() for b in copy.buffers] == before
+    assert torch.equal(snap["optimizer_states"][0]["state"][0]["v"], moments[1])
+    assert copy.reserve([*weights.values(), *moments]) == 0
 
 
 def test_host_copy_is_a_snapshot_keeps_shared_storages_and_reuses_its_buffers():
@@ -289,9 +306,9 @@ def test_host_copy_is_a_snapshot_keeps_shared_storages_and_reuses_its_buffers():
     storage = {k: v.untyped_storage().data_ptr() for k, v in snap["state_dict"].items()}
     assert storage["view"] == storage["a"]
     assert snap["global_step"] == 3 and snap["names"][0] == "x" and torch.equal(snap["names"][1][0], torch.ones(2))
-    buffers = [b.data_ptr() for b in copy._buffers]
+    buffers = [b.data_ptr() for b in copy.buffers]
     again = copy(ckpt)
-    assert [b.data_ptr() for b in copy._buffers] == buffers  # no new host memory per save
+    assert [b.data_ptr() for b in copy.buffers] == buffers  # no new host memory per save
     assert torch.equal(again["state_dict"]["a"], base)
 
 

@@ -29,19 +29,39 @@ class HostCopy:
 
     def __init__(self, pin_memory: bool = True) -> None:
         self.pin_memory = pin_memory
-        self._buffers: list[Tensor] = []  # uint8, in the order the storages are met (the same at every save)
+        self._pool: dict[tuple[int, bool], list[Tensor]] = {}  # (bytes, pinned) -> uint8 buffers, kept for the run
 
-    def _buffer(self, index: int, nbytes: int, pin: bool) -> Tensor:
-        if index < len(self._buffers):
-            buf = self._buffers[index]
-            if buf.numel() == nbytes and buf.is_pinned() == pin:
-                return buf
+    def _buffer(self, nbytes: int, pin: bool, free: dict[tuple[int, bool], list[Tensor]]) -> Tensor:
+        """A buffer of `nbytes` not used yet by this copy: one of the pool's, or a new one added to it."""
+        if free.get((nbytes, pin)):
+            return free[(nbytes, pin)].pop()
         buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
-        if index < len(self._buffers):
-            self._buffers[index] = buf
-        else:
-            self._buffers.append(buf)
+        self._pool.setdefault((nbytes, pin), []).append(buf)
         return buf
+
+    def reserve(self, tensors: list[Tensor]) -> int:
+        """Allocate, ahead of the first save, a buffer for each storage of `tensors` the pool lacks (the weights and
+        optimizer moments: almost all of a checkpoint), so that no save pays for host memory; returns its bytes."""
+        needed: dict[tuple[int, bool], int] = {}
+        seen: set[tuple[torch.device, int]] = set()
+        for t in tensors:
+            storage = t.untyped_storage()
+            if (t.device, storage.data_ptr()) not in seen:
+                seen.add((t.device, storage.data_ptr()))
+                key = (storage.nbytes(), self.pin_memory and t.is_cuda)
+                needed[key] = needed.get(key, 0) + 1
+        added = 0
+        for (nbytes, pin), count in needed.items():
+            pool = self._pool.setdefault((nbytes, pin), [])
+            for _ in range(count - len(pool)):
+                pool.append(torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin))
+                added += nbytes
+        return added
+
+    @property
+    def buffers(self) -> list[Tensor]:
+        """The host buffers held for the copies, in a fixed order."""
+        return [b for pool in self._pool.values() for b in pool]
 
     def __call__(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
         """The checkpoint with every tensor replaced by a host copy, complete when this returns (so the next
@@ -49,6 +69,7 @@ class HostCopy:
         be done."""
         copies: dict[tuple[torch.device, int], Tensor] = {}
         devices: set[torch.device] = set()
+        free = {key: list(pool) for key, pool in self._pool.items()}
 
         def copy(t: Tensor) -> Tensor:
             if type(t) not in (Tensor, torch.nn.Parameter):  # a tensor subclass: no plain storage to copy
@@ -58,7 +79,7 @@ class HostCopy:
             host = copies.get(key)
             if host is None:
                 pin = self.pin_memory and t.is_cuda
-                host = self._buffer(len(copies), storage.nbytes(), pin)
+                host = self._buffer(storage.nbytes(), pin, free)
                 source = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
                 host.copy_(source, non_blocking=pin)
                 copies[key] = host
@@ -74,7 +95,7 @@ class HostCopy:
     @property
     def nbytes(self) -> int:
         """Host memory held for the copies."""
-        return sum(b.numel() for b in self._buffers)
+        return sum(b.numel() for b in self.buffers)
 
 
 @dataclass

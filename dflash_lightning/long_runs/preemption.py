@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import threading
+import time
 from typing import Any, Literal
 
 import torch
@@ -71,7 +72,7 @@ class Preemption(Callback):
         self.requeue = requeue
         self.resume = resume
         self.grace_s = float(grace_s)
-        self._reported_write = False
+        self._reported_write = self._reserved = False
         self.received: int = 0  # signal number, 0 while none
         self._previous: dict[int, Any] = {}
         self._group: Any = None
@@ -95,7 +96,7 @@ class Preemption(Callback):
         if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
             # a host-side group: agreeing on the flag each step never waits for the GPU
             self._group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
-        self._reported_write = False
+        self._reported_write = self._reserved = False
         if trainer.is_global_zero:
             self._report_size(trainer, pl_module)
 
@@ -121,6 +122,8 @@ class Preemption(Callback):
                            batch_idx: int) -> None:
         if not self._reported_write and trainer.is_global_zero:
             self._report_write(trainer)
+        if not self._reserved and trainer.is_global_zero and not compat.inside_accumulation(trainer):
+            self._reserve_host_memory(trainer, pl_module)
         if compat.inside_accumulation(trainer):
             return  # inside a gradient accumulation: its gradients are not saved, so stop at the optimizer step
         signum = self._agreed_signal()
@@ -168,6 +171,22 @@ class Preemption(Callback):
         optimizer = f"{_size(state)} optimizer state" if state >= 0 else "optimizer state of unknown size"
         rank_zero_info(f"checkpoints: about {_size(weights + max(state, 0))} each ({_size(weights)} weights + "
                        f"{optimizer}), written {how}")
+
+    def _reserve_host_memory(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """After the first optimizer step (its moments exist now), the background saves' host buffers for the
+        weights and moments, so that no periodic save, hours in, pays for allocating pinned memory."""
+        self._reserved = True
+        io = trainer.strategy.checkpoint_io
+        if not isinstance(io, AsyncAtomicCheckpointIO):
+            return
+        start = time.perf_counter()
+        tensors = [t for t in pl_module.state_dict().values() if isinstance(t, torch.Tensor)]
+        for optimizer in trainer.optimizers:
+            tensors += [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+        added = io.host_copy.reserve(tensors)
+        if added:
+            rank_zero_info(f"checkpoints: {_size(added)} of host memory reserved for background saves "
+                           f"in {time.perf_counter() - start:.1f} s")
 
     def _report_write(self, trainer: Trainer) -> None:
         """After the first complete write: its rate, and a warning when a preemption save outlasts `grace_s`."""
