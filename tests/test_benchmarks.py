@@ -121,3 +121,15 @@ def test_projection_from_a_fit_counts_fill_length_and_checkpoint_stalls():
     stalled = project(fit, 8, 0.9, 800e3, 6, save_stall_s=48.0)
     assert stalled["checkpoint_hours"] == expected * 48.0 / (2000 * 0.2)  # 12% of the run at 48 s per save
     assert stalled["hours"] == expected + stalled["checkpoint_hours"]
+
+
+def test_unused_compute_counts_padding_invalid_anchors_and_unweighted_slots():
+    """The accounting of unused work runs on real packed batches and its fractions are consistent."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.unused_compute import count
+
+    result = count(budget=512, anchors=64, block=8, docs=120, steps=3)
+    per = result["per_step"]
+    assert result["steps"] == 3 and per["slots"] == 64 * 8 and per["slot0"] == 64
+    assert 0 <= result["padding_fraction"] < 1 and 0 <= result["unweighted_slot_fraction_of_slots_1_on"] <= 1
+    assert per["slots_unweighted"] >= per["anchors_invalid"] * 7  # an invalid anchor's 7 slots all weigh 0
