@@ -50,7 +50,7 @@ class StepTimer(Callback):
             _sync()
             seconds = (time.perf_counter() - self.t0) / self.window
             budget = trainer.datamodule.hparams.token_budget
-            saves = [cb.every_n_train_steps for cb in trainer.checkpoint_callbacks if cb.every_n_train_steps]
+            saves = [n for cb in trainer.checkpoint_callbacks if (n := getattr(cb, "_every_n_train_steps", 0))]
             self.result = {
                 "step_s": seconds, "context_tokens_per_s": budget / seconds, "token_budget": budget,
                 "packing": trainer.datamodule.packing_stats(), "save_every_n_train_steps": min(saves, default=None),

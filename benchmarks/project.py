@@ -41,10 +41,19 @@ def main() -> None:
     parser.add_argument("--save-stall-s", type=float, default=0.0, help="training stall per periodic save, measured")
     parser.add_argument("--mean-tokens", type=float, default=None,
                         help="mean conversation length of the real data (default: the fit's own data)")
+    parser.add_argument("--save-every", type=int, default=None,
+                        help="steps between periodic saves (default: the fit's config; the GPU configs say 2000)")
+    parser.add_argument("--packing-from", type=Path, default=None,
+                        help="take the packing from another fit_bench result of the same data and token budget")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    result = project(json.loads(args.fit.read_text()), args.gpus, args.efficiency, args.conversations, args.epochs,
-                     args.save_stall_s, args.mean_tokens)
+    fit = json.loads(args.fit.read_text())
+    if args.packing_from:
+        fit["packing"] = json.loads(args.packing_from.read_text())["packing"]
+    if args.save_every is not None:
+        fit["save_every_n_train_steps"] = args.save_every
+    result = project(fit, args.gpus, args.efficiency, args.conversations, args.epochs, args.save_stall_s,
+                     args.mean_tokens)
     text = json.dumps(result, indent=2)
     if args.out:
         args.out.write_text(text + "\n")

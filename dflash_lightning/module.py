@@ -18,6 +18,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 
 from dflash_lightning import lightning_compat as compat
@@ -93,6 +94,7 @@ class DFlashModule(LightningModule):
         temperature: float = LossSettings.temperature,
         selector_alpha: float = LossSettings.selector_alpha,
         init_from: str | None = None,
+        accept_target_change: bool = False,
         nonfinite: Literal["skip", "stop"] = "skip",
         max_nonfinite_in_a_row: int = 16,
         fp8: Literal["none", "head", "all"] = "none",
@@ -129,6 +131,9 @@ class DFlashModule(LightningModule):
             init_from: Warm start: a drafter `.ckpt` or exported folder (ours or published) whose weights start this
                 run. A DFlash drafter may start a DFlash2 run: its convolutions start as the identity and its selector
                 fresh, so at step 0 both draft the same unary logits. Ignored when a checkpoint is resumed.
+            accept_target_change: Go on (with one logged line) where the checkpoint resumed or validated, or the
+                feature cache read, was made with other target weights of the same config (a fine-tune): by default
+                refused, as the drafter was trained for, or the features come from, the other weights.
             nonfinite: A step whose loss or gradient norm is NaN/Inf never updates the weights or the optimizer
                 state (decided on the device). skip: count it (`train/skipped_steps`, read every `metrics_every`
                 steps) and go on; stop: skip every update from then on and raise, naming the step and the batch's
@@ -281,6 +286,25 @@ class DFlashModule(LightningModule):
 
     def on_train_end(self) -> None:
         self._check_nonfinite()  # the steps after the last metrics read
+        self._summarise_steps()
+
+    def _summarise_steps(self) -> None:
+        """One line on the steps this process trained and skipped; more than half of them skipped fails the run (after
+        its last checkpoint): its drafter barely trained, though no rule above stopped it."""
+        skipped, _, first, seen = self.nonfinite_counts.tolist()
+        if not seen:
+            return
+        start = self._first_step
+        line = (f"steps {start}..{start + seen - 1} of this fit: {seen - skipped} trained, {skipped} skipped as "
+                "non-finite")
+        if skipped:
+            line += f" (the first at step {start + first})"
+        if 2 * skipped > seen:
+            raise NonFiniteError(
+                f"{line}: more than half, so the drafter barely trained; lower model.lr ({self.hparams.lr:g}) or "
+                f"look at the records of step {start + first}: {self._batch_sources(start + first)}"
+            )
+        rank_zero_info(line)
 
     def _check_nonfinite(self, skipped: int | None = None, in_a_row: int | None = None) -> None:
         """Raise `NonFiniteError` as `nonfinite` says, from counts the host already has (else one copy)."""
@@ -421,7 +445,9 @@ class DFlashModule(LightningModule):
         trainer = compat.attached_trainer(self)
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         saved = checkpoint.get(resume.RECORD_KEY)
-        resume.check_resume(saved, self.run_record(), getattr(trainer, "ckpt_path", None), fitting)
+        path = getattr(trainer, "ckpt_path", None)
+        resume.check_resume(saved, self.run_record(), path, fitting, self.hparams.accept_target_change)
+        resume.check_weights(checkpoint, self.state_dict(), self.drafter_config.to_dict(), path)
         if fitting and saved is not None:
             old_world = saved.get("trainer.world_size", trainer.world_size)
             resume.rescale_loop_progress(checkpoint, old_world, trainer.world_size)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -51,6 +52,18 @@ def make_target(folder: Path, layers: int = 6, hidden: int = 64, heads: int = 4,
     torch.manual_seed(seed)
     Qwen3ForCausalLM(config).save_pretrained(folder)
     return folder
+
+
+def fine_tune(src: Path, dst: Path, weight: str = "model.layers.1.self_attn.q_proj.weight") -> Path:
+    """A copy of a target folder with one weight moved a little: the same config and shapes, other content."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    (file,) = dst.glob("*.safetensors")
+    state = load_file(file)
+    state[weight] = state[weight] + 1e-3
+    save_file(state, file, metadata={"format": "pt"})
+    return dst
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -94,6 +94,20 @@ def test_step_bench_diagnostics_report_steps_settings_and_where_a_stage_stalled(
     assert within(1, lambda x: x + 1, 1) == 2 and within(0, lambda: "no limit") == "no limit"
 
 
+def test_checkpoint_bench_cpu_smoke_measures_sync_and_background_saves(tmp_path):
+    """The lead's H200 command, at 24 MB on the CPU: both kinds of save measured, each background file checked."""
+    out = tmp_path / "checkpoint.json"
+    cmd = [sys.executable, "benchmarks/checkpoint_bench.py", "--device", "cpu", "--size-gb", "0.024", "--saves", "2",
+           "--out", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert abs(result["size_bytes"] - 24e6) < 1e5 and result["sync"]["stall_s"] > 0
+    assert len(result["async"]) == 2 and all(s["write_s"] > 0 and s["stall_s"] >= 0 for s in result["async"])
+    assert result["async_write_GBps"] > 0 and not [p for p in tmp_path.iterdir() if p != out]  # files removed
+
+
 def test_projection_from_a_fit_counts_fill_length_and_checkpoint_stalls():
     """Hours = tokens / (rate * fill * gpus * efficiency), plus one stall per save interval, from a fit's JSON."""
     sys.path.insert(0, str(ROOT))
@@ -107,3 +121,15 @@ def test_projection_from_a_fit_counts_fill_length_and_checkpoint_stalls():
     stalled = project(fit, 8, 0.9, 800e3, 6, save_stall_s=48.0)
     assert stalled["checkpoint_hours"] == expected * 48.0 / (2000 * 0.2)  # 12% of the run at 48 s per save
     assert stalled["hours"] == expected + stalled["checkpoint_hours"]
+
+
+def test_unused_compute_counts_padding_invalid_anchors_and_unweighted_slots():
+    """The accounting of unused work runs on real packed batches and its fractions are consistent."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.unused_compute import count
+
+    result = count(budget=512, anchors=64, block=8, docs=120, steps=3)
+    per = result["per_step"]
+    assert result["steps"] == 3 and per["slots"] == 64 * 8 and per["slot0"] == 64
+    assert 0 <= result["padding_fraction"] < 1 and 0 <= result["unweighted_slot_fraction_of_slots_1_on"] <= 1
+    assert per["slots_unweighted"] >= per["anchors_invalid"] * 7  # an invalid anchor's 7 slots all weigh 0

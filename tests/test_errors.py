@@ -8,9 +8,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from test_faults import assets, fault_config, fit, good_checkpoints  # noqa: F401 (fixtures)
 
+from dflash_lightning.cli import cli_main
+from dflash_lightning.config import ConfigError
 from dflash_lightning.long_runs.checkpointing import CheckpointError
+from dflash_lightning.long_runs.resume import RECORD_KEY, ResumeError
 
 ROOT = Path(__file__).parents[1]
 NOISE = ("Traceback", "torchao", "LightningCLI's args parameter")
@@ -59,3 +63,63 @@ def test_a_killed_saves_leftover_is_removed_by_a_start_with_ckpt_path(good_check
     leftover.write_bytes(b"\0" * 4096)
     cli = fit(good_checkpoints / "input.yaml", f"--ckpt_path={folder / 'step=2.ckpt'}", "--trainer.max_steps=3")
     assert cli.trainer.global_step == 3 and not leftover.exists()
+
+
+def test_export_to_float16_of_values_past_its_range_is_refused_naming_the_tensor(good_checkpoints, tmp_path):  # noqa: F811
+    ckpt = torch.load(good_checkpoints / "checkpoints" / "step=4.ckpt", weights_only=True)
+    ckpt["state_dict"]["drafter.fc.weight"] *= 1e9  # an edit on purpose: its checksums go with it
+    del ckpt["dflash_checksums"]
+    torch.save(ckpt, tmp_path / "big.ckpt")
+    out = run("export", "--checkpoint", str(tmp_path / "big.ckpt"), "--out", str(tmp_path / "hf"), "--dtype", "float16")
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1 and not any(n in out.stderr for n in NOISE), out.stderr[-2000:]
+    assert lines[0].startswith("error: export: 'fc.weight' holds values up to ")
+    assert "past the range of float16" in lines[0]
+    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize(("setting", "message"), [
+    (["--model.drafter.layer_types=[full_attention,bogus]", "--model.drafter.num_layers=2"],
+     "layer_types: unknown type(s) ['bogus']; use full_attention or sliding_attention"),
+    (["--model.drafter.layer_types=[full_attention,full_attention]"],
+     "layer_types has 2 entries, the drafter has num_layers=1"),
+    (["--model.drafter.layer_types=[sliding_attention]", "--model.drafter.sliding_window=0"],
+     "sliding_window must be >= 1 for sliding_attention layers, got 0"),
+    (["--model.drafter.layer_types=[sliding_attention]", "--model.drafter.sliding_window=-4"],
+     "sliding_window must be >= 1 for sliding_attention layers, got -4"),
+    (["--model.drafter.layer_types=[sliding_attention]"],
+     "sliding_window must be >= 1 for sliding_attention layers, got None"),
+    (["--model.drafter.sliding_window=64"], "sliding_window (64) is set but no layer is sliding_attention"),
+])
+def test_bad_attention_layout_is_one_line_before_any_target_work(assets, tmp_path, setting, message, monkeypatch):  # noqa: F811
+    import dflash_lightning.module as module
+
+    monkeypatch.setattr(module, "load_target_io", lambda *a: pytest.fail("the target was loaded"))
+    with pytest.raises(ConfigError) as err:
+        cli_main(["--config", str(fault_config(assets, tmp_path)), *setting], run=False)
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)
+
+
+def test_a_checkpoint_of_another_drafter_is_one_line_naming_the_fields(good_checkpoints, tmp_path):  # noqa: F811
+    """Given to fit --ckpt_path or validate, with its settings record or without one (an older version): the fields
+    that differ, not Lightning's 'Missing key(s) in state_dict' traceback."""
+    step4 = good_checkpoints / "checkpoints" / "step=4.ckpt"
+    ckpt = torch.load(step4, weights_only=True)
+    del ckpt[RECORD_KEY]
+    torch.save(ckpt, tmp_path / "old.ckpt")
+    other = ["--model.drafter.num_layers=2", f"--trainer.default_root_dir={tmp_path / 'run'}",
+             f"--trainer.callbacks.dirpath={tmp_path / 'run'}"]
+    config = str(good_checkpoints / "input.yaml")
+    for command, path, message in (
+            ("fit", step4, f"cannot resume from {step4}: these settings change what is trained (checkpoint -> now): "
+                           "drafter.num_layers: 1 -> 2; drafter.target_layer_ids: [2] -> [1, 1]."),
+            ("validate", tmp_path / "old.ckpt",
+             f"the checkpoint {tmp_path / 'old.ckpt'} holds other weights than this run's drafter: drafter fields "
+             "differ (checkpoint -> now): drafter.num_layers: 1 -> 2; drafter.target_layer_ids: [2] -> [1, 1]; "
+             "weights: 11 missing (drafter.layers.1.")):
+        with pytest.raises(ResumeError) as err:
+            cli_main([command, "--config", config, f"--ckpt_path={path}", *other])
+        assert str(err.value).startswith(message) and "\n" not in str(err.value), err.value
+    out = run("validate", "--config", config, f"--ckpt_path={tmp_path / 'old.ckpt'}", *other)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines()[-1].startswith(f"error: the checkpoint {tmp_path / 'old.ckpt'} holds")

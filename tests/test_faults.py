@@ -345,9 +345,10 @@ def poison(key: str, steps: list[int]) -> list[dict]:
     return [{"class_path": "test_faults.Poison", "init_args": {"key": key, "steps": steps}}]
 
 
-def test_nan_features_skip_the_update_and_training_goes_on(assets, tmp_path):
+def test_nan_features_skip_the_update_and_training_goes_on(assets, tmp_path, caplog):
     config = fault_config(assets, tmp_path, max_steps=5, callbacks=poison("skip", [2]))
     cli = fit(config)
+    assert "steps 0..4 of this fit: 4 trained, 1 skipped as non-finite (the first at step 2)" in caplog.text
     before, _, after = EVENTS["skip"]
     assert before.keys() == after.keys() and any(k.endswith("exp_avg") for k in before)
     for name in before:  # weights, moments and step count of the poisoned step: all as they were
@@ -372,6 +373,21 @@ def test_nan_features_under_stop_raise_naming_the_step_and_its_records(assets, t
     assert saved and max(saved) <= 3, saved
 
 
+def test_a_fit_that_skipped_most_of_its_steps_fails_in_one_line(assets, tmp_path):
+    """lr 1e30: the first step blows the weights up, every later one is non-finite and skipped, though never 16 in a
+    row; more than half of the steps skipped is a failed run (exit 1), its checkpoints kept; half is not."""
+    config = fault_config(assets, tmp_path / "a", max_steps=6)
+    out = subprocess.run([sys.executable, "-m", "dflash_lightning", "fit", "--config", str(config), "--model.lr=1e30"],
+                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert lines[-1].startswith("error: steps 0..5 of this fit: 1 trained, 5 skipped as non-finite (the first at "
+                                "step 1): more than half, so the drafter barely trained; lower model.lr (1e+30)")
+    assert load_checkpoint(tmp_path / "a" / "checkpoints" / "last.ckpt")["global_step"] == 6
+    cli = fit(fault_config(assets, tmp_path / "b", max_steps=4, callbacks=poison("half", [1, 2])))
+    assert cli.trainer.global_step == 4
+
+
 def test_too_many_nonfinite_steps_in_a_row_stop_the_run(assets, tmp_path):
     config = fault_config(assets, tmp_path, max_steps=8, callbacks=poison("row", [1, 2, 3, 4]))
     with pytest.raises(NonFiniteError, match="3 steps in a row, through step 3"):
@@ -390,6 +406,7 @@ def test_export_refuses_a_checkpoint_with_nonfinite_weights(assets, tmp_path):
     fit(fault_config(assets, tmp_path, max_steps=2))
     ckpt = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)
     ckpt["state_dict"]["drafter.norm.weight"][0] = float("inf")
+    del ckpt["dflash_checksums"]
     torch.save(ckpt, tmp_path / "bad.ckpt")  # as if written by other code
     with pytest.raises(CheckpointError, match="non-finite weights .*norm.weight"):
         export_checkpoint(tmp_path / "bad.ckpt", tmp_path / "hf")
@@ -452,6 +469,77 @@ def test_automatic_resume_falls_back_past_a_damaged_newest_checkpoint(good_check
     assert cli.trainer.global_step == 5
     assert f"resuming from {folder / 'step=2.ckpt'}" in caplog.text and "skipping damaged checkpoint" in caplog.text
     assert sorted(p.name for p in folder.glob("*.damaged")) == ["last.ckpt.damaged", "step=4.ckpt.damaged"]
+
+
+def flip_a_bit_inside(path: Path, key: str, out: Path) -> Path:
+    """A copy of a checkpoint with one bit flipped in the middle of a tensor's bytes (not in the zip's records)."""
+    data = bytearray(path.read_bytes())
+    raw = torch.load(path, weights_only=True)["state_dict"][key].numpy().tobytes()
+    at = data.find(raw)
+    assert at > 0 and data.find(raw, at + 1) < 0
+    data[at + len(raw) // 2] ^= 0x10
+    out.write_bytes(bytes(data))
+    return out
+
+
+def test_flipped_bits_inside_a_tensor_are_refused_by_fit_export_and_evaluate(good_checkpoints, tmp_path):
+    """torch.load reads such a file without a word; the checksums stored at the save name the damaged tensor."""
+    good = good_checkpoints / "checkpoints" / "step=4.ckpt"
+    assert len(load_checkpoint(good)["dflash_checksums"]) > 20  # weights and optimizer moments
+    bad = flip_a_bit_inside(good, "drafter.fc.weight", tmp_path / "flipped.ckpt")
+    expected = f"{bad}: damaged: tensor 'state_dict/drafter.fc.weight' fails its checksum"
+    for load in (lambda: export_checkpoint(bad, tmp_path / "hf"), lambda: read_drafter(bad)):  # export, evaluate
+        with pytest.raises(CheckpointError) as err:
+            load()
+        assert str(err.value).startswith(expected) and "\n" not in str(err.value)
+    with pytest.raises(CheckpointError, match=f"^{expected}"):
+        cli_main(["fit", "--config", str(good_checkpoints / "input.yaml"), f"--ckpt_path={bad}"])
+    run = subprocess.run([sys.executable, "-m", "dflash_lightning", "export", "--checkpoint", str(bad),
+                          "--out", str(tmp_path / "hf")], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    lines = run.stderr.strip().splitlines()
+    assert run.returncode == 1 and len(lines) == 1 and lines[0].startswith(f"error: {expected}"), run.stderr[-2000:]
+    assert not (tmp_path / "hf").exists()
+    edited = torch.load(good, weights_only=True)
+    del edited["optimizer_states"]  # an edit that keeps the checksums but changes no stored tensor's bytes
+    torch.save(edited, tmp_path / "weights-only.ckpt")
+    assert read_drafter(tmp_path / "weights-only.ckpt")[1].keys()
+
+
+def test_automatic_resume_falls_back_past_flipped_bits_in_the_newest_checkpoint(good_checkpoints, tmp_path, caplog):
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    (folder / "step=2.ckpt").write_bytes((good_checkpoints / "checkpoints" / "step=2.ckpt").read_bytes())
+    for name in ("step=4.ckpt", "last.ckpt"):
+        flip_a_bit_inside(good_checkpoints / "checkpoints" / name, "drafter.norm.weight", folder / name)
+    raw = yaml.safe_load((good_checkpoints / "input.yaml").read_text())
+    raw["trainer"]["callbacks"][0]["init_args"]["dirpath"] = str(folder)
+    raw["trainer"].update(max_steps=3, default_root_dir=str(tmp_path))
+    (tmp_path / "input.yaml").write_text(yaml.safe_dump(raw))
+    cli = fit(tmp_path / "input.yaml")
+    assert cli.trainer.global_step == 3 and f"resuming from {folder / 'step=2.ckpt'}" in caplog.text
+    assert "tensor 'state_dict/drafter.norm.weight' fails its checksum" in caplog.text
+    assert sorted(p.name for p in folder.glob("*.damaged")) == ["last.ckpt.damaged", "step=4.ckpt.damaged"]
+
+
+def test_tensor_checksums_are_the_same_rule_on_any_layout_and_catch_one_bit():
+    """The stored value is the wrapping int64 sum of the bytes as words, whatever the dtype, shape or view."""
+    from dflash_lightning.long_runs.checkpointing import tensor_checksum
+
+    def reference(t: torch.Tensor) -> int:
+        raw = t.contiguous().view(torch.uint8).numpy().tobytes()
+        raw += bytes(-len(raw) % 8)
+        words = [int.from_bytes(raw[i:i + 8], "little", signed=False) for i in range(0, len(raw), 8)]
+        total = sum(words) % 2**64
+        return total - 2**64 if total >= 2**63 else total
+
+    base = torch.randn(7, 13)
+    for t in (base, base.T, base[1:, 3:], base.bfloat16(), base[0, :3], torch.arange(5, dtype=torch.int32),
+              torch.tensor([True, False, True]), torch.zeros(0)):
+        assert int(tensor_checksum(t)) == reference(t), t.dtype
+    flipped = base.clone()
+    flipped.view(torch.int32)[3, 4] ^= 1 << 9
+    assert tensor_checksum(flipped) != tensor_checksum(base)
 
 
 # ------------------------------------------------------------------------------------------- 8: export writes

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import make_target
+from conftest import fine_tune, make_target
 from lightning.pytorch import Callback, Trainer, seed_everything
 from test_cli import CONFIGS, write_conversations
 
@@ -23,6 +23,7 @@ from dflash_lightning.data import DFlashDataModule
 from dflash_lightning.data.feature_cache import FeatureCache, FeatureCacheError, dequantize, quantize_fp8
 from dflash_lightning.module import DFlashModule
 from dflash_lightning.target_model import FeatureExtractor, TargetFeatures
+from dflash_lightning.target_model.fingerprints import TargetChangedError
 
 LAYER_IDS = [1, 3]  # the default for a 2-layer drafter on a 6-layer target
 SHARD_GB = "0.00008"  # ~80 KB: the 40 training samples spread over several shards
@@ -289,12 +290,14 @@ def test_mismatched_cache_is_refused_naming_the_field(setup, tmp_path):
     other = make_target(tmp_path / "other", layers=6, hidden=32, heads=2, kv_heads=1, seed=1)
     shutil.copy(Path(setup["target"]) / "tokenizer.json", other / "tokenizer.json")
     # the drafter in the trainer decides the target and layer ids the features must come from
-    for target, drafter, field in ((setup["target"], DrafterConfig(num_layers=2, block_size=8, target_layer_ids=[0, 2]),
-                                    r"target\.layer_ids is \[1, 3\] in the cache and \[0, 2\] here"),
-                                   (str(other), DrafterConfig(num_layers=2, block_size=8), r"target\.weights_sha256")):
+    for target, drafter, error, field in (
+            (setup["target"], DrafterConfig(num_layers=2, block_size=8, target_layer_ids=[0, 2]), FeatureCacheError,
+             r"target\.layer_ids is \[1, 3\] in the cache and \[0, 2\] here"),
+            (str(other), DrafterConfig(num_layers=2, block_size=8), TargetChangedError,
+             f"feature cache {bf16} was made with other target weights than those of {other}")):
         module = DFlashModule(target, drafter, token_budget=256, num_anchors=16)
         trainer = Trainer(accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False)
-        with pytest.raises(FeatureCacheError, match=field):
+        with pytest.raises(error, match=field):
             trainer.fit(module, datamodule=make_dm(setup, feature_cache=bf16, **wired(module, target=target)))
     # a data module built by hand without the drafter's values is refused where it meets the module, by name
     with pytest.raises(ConfigError, match=r"^data\.target None differs from model\.target '.*': give both"):
@@ -304,6 +307,41 @@ def test_mismatched_cache_is_refused_naming_the_field(setup, tmp_path):
         cache_cli(setup, Path(bf16), "--format", "fp8")
     with pytest.raises(FeatureCacheError, match="no manifest.json"):
         make_dm(setup, feature_cache=str(tmp_path)).setup("fit")
+
+
+def test_a_cache_of_the_target_before_a_fine_tune_is_refused_unless_accepted(setup, tmp_path, caplog):
+    """Same config and shapes, one weight moved: features of the old weights are refused in one line naming the cache
+    and the target; `model.accept_target_change` reads them with one logged line; a cache without the fingerprint
+    (an older version) is read with one logged line; a cache run does not resume with another target."""
+    bf16 = str(setup["root"] / "bf16")
+    tuned = fine_tune(Path(setup["target"]), tmp_path / "tuned")
+    args = ["fit", "--config", setup["config"], f"--target.path={tuned}", "--trainer.max_steps=1",
+            "--trainer.limit_val_batches=0", f"--trainer.default_root_dir={tmp_path}"]
+    with pytest.raises(TargetChangedError) as err:
+        cli_main([*args, f"--data.feature_cache={bf16}"])
+    message = str(err.value)
+    assert f"feature cache {bf16} was made with other target weights than those of {tuned}" in message
+    assert "--model.accept_target_change=true" in message and "\n" not in message
+    caplog.clear()
+    cli = cli_main([*args, f"--data.feature_cache={bf16}", "--model.accept_target_change=true"])
+    assert cli.trainer.global_step == 1
+    accepted = [r.getMessage() for r in caplog.records if "as model.accept_target_change says" in r.getMessage()]
+    assert len(accepted) == 1 and bf16 in accepted[0] and str(tuned) in accepted[0]
+
+    old = tmp_path / "old"
+    shutil.copytree(bf16, old)
+    manifest = json.loads((old / "manifest.json").read_text())
+    del manifest["target"]["weights_fingerprint"]
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    caplog.clear()
+    cli_main([*args, f"--target.path={setup['target']}", f"--data.feature_cache={old}"])
+    lines = [r.getMessage() for r in caplog.records if "records no content fingerprint" in r.getMessage()]
+    assert len(lines) == 1 and str(old) in lines[0]
+
+    partial = tmp_path / "partial"
+    shutil.copytree(bf16, partial)
+    with pytest.raises(FeatureCacheError, match=r"target\.weights_fingerprint is '[0-9a-f]{64}' in the cache"):
+        cache_cli(setup, partial, f"--target.path={tuned}")
 
 
 def test_cache_refuses_an_fp8_target_and_a_compiled_one_off_cuda(setup, tmp_path, monkeypatch):

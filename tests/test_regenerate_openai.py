@@ -300,3 +300,59 @@ def test_fake_servers_malformed_failing_and_good_answers(fakes, tmp_path, capsys
             abort_after=3)
     assert (tmp_path / "down.jsonl").read_text() == ""
     assert len(Path(tmp_path / "down.jsonl.rejects").read_text().splitlines()) == 3
+
+
+class Broken(BaseHTTPRequestHandler):
+    """A server that fails at the first request, /models, as `self.server.mode` says."""
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        if self.server.mode == "dying":  # takes the connection and drops it without a word
+            self.connection.shutdown(socket.SHUT_RDWR)
+        elif self.server.mode == "wedged":  # takes the connection and never answers in time
+            time.sleep(2.5)
+        else:  # an HTTP 200 whose body is not JSON, said to be JSON or not
+            self.send_response(200)
+            if self.server.mode == "malformed":
+                self.send_header("content-type", "application/json")
+            self.send_header("content-length", "9")
+            self.end_headers()
+            self.wfile.write(b"{not json")
+
+
+@pytest.mark.parametrize(("mode", "message"), [
+    ("unreachable", "cannot reach {url} (All connection attempts failed); is the server up?"),
+    ("dying", "cannot reach {url} (Server disconnected without sending a response.)"),
+    ("wedged", "{url}/models gave no answer within 1 s, 1 tries; is the server still loading, or wedged?"),
+    ("malformed", "{url}/models did not answer a JSON list of models (JSONDecodeError: "),
+    ("text", "{url}/models did not answer a JSON list of models (AttributeError: "),
+])
+def test_a_server_that_fails_at_the_start_stops_the_run_in_one_line_naming_it(tmp_path, mode, message):
+    path = write_jsonl(tmp_path / "in.jsonl", [{"messages": [user("ok 0"), assistant("x")]}])
+    server = None
+    if mode == "unreachable":
+        url = f"http://127.0.0.1:{free_port()}/v1"
+    else:
+        server = ThreadingHTTPServer(("127.0.0.1", 0), Broken)
+        server.mode = mode
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+    try:
+        with pytest.raises(ServerError) as err:
+            run({"input": str(path)}, tmp_path / "out.jsonl", base_url=url, max_retries=0, request_timeout=1.0)
+        assert str(err.value).startswith(message.format(url=url)) and "\n" not in str(err.value), err.value
+        if mode == "wedged":  # as a user meets it: one line, exit 1 (a failed run)
+            proc = subprocess.run([sys.executable, "-m", "dflash_lightning", "regenerate", "--input_files",
+                                   f"[{path}]", "--out", str(tmp_path / "out.jsonl"), "--backend", "openai",
+                                   "--base_url", url, "--max_retries", "0", "--request_timeout", "1",
+                                   "--progress", "false"], capture_output=True, text=True, timeout=300,
+                                  env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+            lines = proc.stderr.strip().splitlines()
+            assert proc.returncode == 1 and len(lines) == 1, proc.stderr[-2000:]
+            assert lines[0].startswith(f"error: {message.format(url=url)}")
+    finally:
+        if server is not None:
+            server.shutdown()
+            server.server_close()

@@ -13,12 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import make_target
+from conftest import fine_tune
 from test_cli import small_config
 
 from dflash_lightning.blocks import anchor_seed
 from dflash_lightning.cli import cli_main
-from dflash_lightning.long_runs.resume import RECORD_KEY, ResumeError, compare
+from dflash_lightning.long_runs.resume import CONTENT, RECORD_KEY, ResumeError, compare
+from dflash_lightning.target_model.fingerprints import TargetChangedError
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +70,7 @@ def test_resumed_losses_equal_an_uninterrupted_run_bitwise(resume_config, tmp_pa
     for k in (3, 5, 6):
         cli, resumed, again = fit(resume_config, tmp_path / f"from{k}", f"--ckpt_path={ckpts[k]}")
         assert "changed settings" not in caplog.text  # the record survives a save and a load unchanged
+        assert "fingerprint" not in caplog.text  # the same target: no word about it
         assert resumed == full[k:], k  # (logged step, loss) pairs, floats compared exactly
         state = torch.load(again[8], weights_only=True)
         assert all(torch.equal(state["state_dict"][n], w) for n, w in final["state_dict"].items())
@@ -101,10 +103,41 @@ def test_changes_to_what_is_trained_are_refused_before_any_step(resume_config, s
     assert not (tmp_path / "a" / "ckpt").exists()  # no step ran
 
 
-def test_another_target_of_the_same_shape_is_refused(resume_config, step3, tmp_path):
-    other = make_target(tmp_path / "other", layers=4, hidden=32, heads=2, kv_heads=1, seed=1)
-    with pytest.raises(ResumeError, match=r"target\.weights_sha256: '[0-9a-f]+' -> '[0-9a-f]+'"):
-        fit(resume_config, tmp_path / "a", f"--ckpt_path={step3}", f"--target.path={other}")
+def test_a_fine_tuned_target_is_refused_in_one_line_unless_accepted(resume_config, step3, tmp_path, caplog):
+    """Same config and shapes, one weight moved: refused by fit and validate naming the checkpoint and the target;
+    accepted on purpose with one logged line, and the new checkpoints then record the new target."""
+    tuned = fine_tune(Path(yaml.safe_load(resume_config.read_text())["target"]["path"]), tmp_path / "tuned")
+    for command in ("fit", "validate"):
+        with pytest.raises(TargetChangedError) as err:
+            cli_main([command, *fit_args(resume_config, tmp_path / "a", f"--ckpt_path={step3}",
+                                         f"--target.path={tuned}")[1:]])
+        message = str(err.value)
+        assert f"the checkpoint {step3} was made with other target weights than those of {tuned}" in message
+        assert "--model.accept_target_change=true" in message and "\n" not in message
+    assert not (tmp_path / "a" / "ckpt").exists()  # no step ran
+    caplog.clear()
+    cli, _, ckpts = fit(resume_config, tmp_path / "b", f"--ckpt_path={step3}", f"--target.path={tuned}",
+                        "--model.accept_target_change=true", "--trainer.max_steps=4")
+    assert cli.trainer.global_step == 4
+    accepted = [r.getMessage() for r in caplog.records if "as model.accept_target_change says" in r.getMessage()]
+    assert len(accepted) == 1 and str(step3) in accepted[0] and str(tuned) in accepted[0]
+    assert "\n" not in accepted[0]
+    cli, _, _ = fit(resume_config, tmp_path / "c", f"--ckpt_path={ckpts[4]}", f"--target.path={tuned}",
+                    "--trainer.max_steps=5")  # the new checkpoint's fingerprint is the tuned target's
+    assert cli.trainer.global_step == 5
+
+
+def test_a_checkpoint_without_the_target_fingerprint_is_resumed_with_one_line(resume_config, step3, tmp_path,
+                                                                              caplog):
+    ckpt = torch.load(step3, weights_only=True)
+    assert len(ckpt[RECORD_KEY][CONTENT]) == 64  # sha256 hex of the target's content
+    del ckpt[RECORD_KEY][CONTENT]
+    old = tmp_path / "old.ckpt"
+    torch.save(ckpt, old)
+    cli, _, _ = fit(resume_config, tmp_path / "a", f"--ckpt_path={old}", "--trainer.max_steps=4")
+    assert cli.trainer.global_step == 4
+    lines = [r.getMessage() for r in caplog.records if "records no content fingerprint" in r.getMessage()]
+    assert len(lines) == 1 and str(old) in lines[0]
 
 
 def test_free_settings_take_effect_and_are_logged(resume_config, step3, tmp_path, caplog):

@@ -198,3 +198,40 @@ def test_a_target_with_sliding_window_layers_is_refused():
     with pytest.raises(ValueError, match=r"target: layers \[1, 2\] are 'sliding_attention'"):
         FeatureExtractor(sliding, [1], 3)
     FeatureExtractor(AutoModel.from_config(Qwen3Config(**shape)), [1], 3)  # all full attention: accepted
+
+
+def test_weights_fingerprint_reads_slices_of_every_weight_whatever_the_sharding(tiny_target, tmp_path):
+    """A plain reference over safetensors' own reader; one file or two shards of the same weights agree; moving one
+    weight a little (a fine-tune) changes it."""
+    import hashlib
+    import json
+    import shutil
+
+    from conftest import fine_tune
+    from safetensors.torch import load_file, save_file
+
+    from dflash_lightning.target_model.fingerprints import SLICE_BYTES, SLICES_PER_TENSOR, weights_fingerprint
+
+    names = {torch.float32: "F32", torch.bfloat16: "BF16"}
+    state = {k: v for f in sorted(tiny_target.glob("*.safetensors")) for k, v in load_file(f).items()}
+    state["big"] = torch.arange(SLICES_PER_TENSOR * SLICE_BYTES, dtype=torch.float32)  # sliced, not whole
+    digest = hashlib.sha256()
+    for name in sorted(state):
+        raw = state[name].contiguous().view(torch.uint8).numpy().tobytes()
+        digest.update(json.dumps([name, names[state[name].dtype], list(state[name].shape)]).encode())
+        if len(raw) <= SLICES_PER_TENSOR * SLICE_BYTES:
+            digest.update(raw)
+        else:
+            step = (len(raw) - SLICE_BYTES) // (SLICES_PER_TENSOR - 1)
+            digest.update(b"".join(raw[i * step:i * step + SLICE_BYTES] for i in range(SLICES_PER_TENSOR)))
+    one, two = tmp_path / "one", tmp_path / "two"
+    for folder in (one, two):
+        folder.mkdir()
+        shutil.copy(tiny_target / "config.json", folder)
+    save_file(state, one / "model.safetensors")
+    names_in_order = sorted(state)
+    save_file({k: state[k] for k in names_in_order[::2]}, two / "model-00001-of-00002.safetensors")
+    save_file({k: state[k] for k in names_in_order[1::2]}, two / "model-00002-of-00002.safetensors")
+    assert weights_fingerprint(str(one)) == weights_fingerprint(str(two)) == digest.hexdigest()
+    tuned = fine_tune(one, tmp_path / "tuned")
+    assert weights_fingerprint(str(tuned)) != digest.hexdigest()

@@ -51,7 +51,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         splits = {"train": (dm.train_paths, dm.samples("train"))}
         if dm.val_paths:
             splits["val"] = (dm.val_paths, dm.samples("val"))
-        cache.check(target_header(target.path, drafter.target_layer_ids, drafter.hidden_size) | data_header(dm, splits))
+        cache.check(target_header(target.path, drafter.target_layer_ids, drafter.hidden_size) | data_header(dm, splits),
+                    module.hparams.accept_target_change)
         cache.verify()
         print(f"feature cache {config.out}: matches the config, every shard's sha256 verified")
         return

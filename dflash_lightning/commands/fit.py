@@ -62,6 +62,7 @@ class DFlashCLI(TypedSettingsCLI):
         parser.link_arguments("target.path", "data.target")
         parser.link_arguments("data.token_budget", "target.token_budget")
         parser.link_arguments("data.feature_cache", "target.feature_cache")
+        parser.link_arguments("model.accept_target_change", "data.accept_target_change")
         # the resolved drafter's (its layer choice needs the target's config) once the model is built
         for key in ("data.target_layer_ids", "target.layer_ids"):
             parser.link_arguments("model", key, compute_fn=_layer_ids, apply_on="instantiate")

@@ -172,6 +172,8 @@ class DFlashDataModule(LightningDataModule):
             (linked from the model); None: the cache's target and layers are not checked.
         final_hidden: With `feature_cache`: also serve the target's final hidden states, distillation's teacher
             (linked: whether `model.objective` distills).
+        accept_target_change: Read a cache made with other target weights on purpose, with one logged line
+            (linked from `model.accept_target_change`).
     """
 
     def __init__(
@@ -196,13 +198,14 @@ class DFlashDataModule(LightningDataModule):
         target: str | None = None,
         target_layer_ids: list[int] | None = None,
         final_hidden: bool = False,
+        accept_target_change: bool = False,
     ) -> None:
         super().__init__()
         # the drafter's values, recorded in checkpoints as the model's: not again as data settings
-        self.save_hyperparameters(ignore=["target", "target_layer_ids", "final_hidden"])
+        self.save_hyperparameters(ignore=["target", "target_layer_ids", "final_hidden", "accept_target_change"])
         self.target = target
         self.target_layer_ids = list(target_layer_ids) if target_layer_ids is not None else None
-        self.final_hidden = final_hidden
+        self.final_hidden, self.accept_target_change = final_hidden, accept_target_change
         if max_length is None:
             max_length = token_budget
         for ok, message in (
@@ -307,7 +310,7 @@ class DFlashDataModule(LightningDataModule):
                 raise ValueError("data.target: needed with data.target_layer_ids, to check the feature cache's target")
             hidden = load_target_config(self.target).hidden_size  # the drafter's too (it shares the target's head)
             expected |= target_header(self.target, self.target_layer_ids, hidden)
-        cache.check(expected)
+        cache.check(expected, self.accept_target_change)
         for split in splits:
             self._features[split] = cache.split(split, self.final_hidden)
         _rank_zero(logging.INFO, f"context features of {', '.join(splits)} from {cache.folder} "

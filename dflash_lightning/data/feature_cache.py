@@ -31,7 +31,12 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import Tensor
 
-from dflash_lightning.target_model.fingerprints import sha256_path, target_fingerprint, tokenizer_sha256
+from dflash_lightning.target_model.fingerprints import (
+    check_same_target,
+    sha256_path,
+    target_fingerprint,
+    tokenizer_sha256,
+)
 
 if TYPE_CHECKING:
     from lightning.pytorch import LightningDataModule
@@ -87,15 +92,17 @@ def target_header(path: str, layer_ids: Sequence[int], hidden_size: int) -> dict
                        "hidden_size": int(hidden_size)}}
 
 
-# Fields a reader compares (dotted paths; `*` is every split of the run). Paths and sizes are informational.
+# Fields a reader compares (dotted paths; `*` is every split of the run). Paths and sizes are informational; the
+# target's weights_fingerprint is checked on its own (`check_same_target`), after these.
 COMPARED = (
-    "version", "target.config_sha256", "target.weights_sha256", "target.layer_ids", "target.hidden_size",
+    "version", "target.config_sha256", "target.layer_ids", "target.hidden_size",
     "tokenizer.sha256", "data.format", "data.enable_thinking", "data.max_length", "data.block_size",
     "data.min_supervised_tokens", "data.on_bad_record", "splits.*.files_sha256", "splits.*.num_samples",
     "splits.*.samples_sha256",
 )
-# ... and a resumed cache run also these, which decide the shards already written.
-WRITER_COMPARED = ("feature_format", "final_hidden", "target.dtype", "writing.shard_bytes", "writing.forward_tokens")
+# ... and a resumed cache run also these, which decide the shards already written (one cache, one target: no override).
+WRITER_COMPARED = ("feature_format", "final_hidden", "target.dtype", "target.weights_fingerprint",
+                   "writing.shard_bytes", "writing.forward_tokens")
 
 
 def _get(tree: dict[str, Any], dotted: str) -> Any:
@@ -299,9 +306,14 @@ class FeatureCache:
     def feature_format(self) -> FeatureFormat:
         return self.manifest["feature_format"]
 
-    def check(self, expected: dict[str, Any]) -> None:
-        """Raise `FeatureCacheError` naming the first compared field where the cache differs from `expected`."""
+    def check(self, expected: dict[str, Any], accept_target_change: bool = False) -> None:
+        """Raise `FeatureCacheError` naming the first compared field where the cache differs from `expected`, then
+        `TargetChangedError` if its features come from other target weights (unless accepted)."""
         compare_headers(self.folder, self.manifest, {"version": VERSION, **expected}, COMPARED)
+        if "target" in expected:
+            check_same_target(self.manifest["target"].get("weights_fingerprint"),
+                              expected["target"]["weights_fingerprint"], f"feature cache {self.folder}",
+                              expected["target"]["path"], accept_target_change)
         for split in expected.get("splits", {}):
             if split not in self.manifest["splits"]:
                 raise FeatureCacheError(f"feature cache {self.folder} has no '{split}' split "

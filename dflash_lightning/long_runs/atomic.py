@@ -45,6 +45,23 @@ def write_atomic(path: Path, write: Any, suffix: str = ".tmp") -> None:
     fsync_dir(path.parent)
 
 
+def link_atomic(link: Path, target: Path, suffix: str = ".tmp") -> None:
+    """Point `link` at `target` (a relative symlink) in one rename: a reader sees the old link or file, or the new
+    link, never no file (removing first, then linking, leaves none in between). A copy where links are refused."""
+    tmp = link.with_name(f".{link.name}.{os.getpid()}{suffix}")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.symlink(os.path.relpath(target, link.parent), tmp)
+    except OSError:  # Windows without the right to make links
+        shutil.copy(target, tmp)
+    try:
+        os.replace(tmp, link)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(link.parent)
+
+
 def write_json(path: Path, obj: Any) -> None:
     """A JSON file written atomically."""
     write_atomic(path, lambda tmp: tmp.write_text(json.dumps(obj, indent=1)))

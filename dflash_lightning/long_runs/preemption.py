@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import threading
+import time
 from typing import Any, Literal
 
 import torch
@@ -17,8 +18,16 @@ import torch.distributed as dist
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from dflash_lightning import lightning_compat as compat
+from dflash_lightning.long_runs.async_save import (
+    AsyncAtomicCheckpointIO,
+    expected_checkpoint_bytes,
+    innermost,
+    wait_for_writes,
+)
+from dflash_lightning.long_runs.checkpointing import _size
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +46,7 @@ class Preemption(Callback):
     """Turns SIGTERM, SIGUSR1 and SIGINT into a checkpoint at the next step boundary and a retry exit status."""
 
     def __init__(self, signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1", "SIGINT"), requeue: bool = True,
-                 resume: Literal["auto", "never"] = "auto") -> None:
+                 resume: Literal["auto", "never"] = "auto", grace_s: float = 30.0) -> None:
         """
         Args:
             signals: Signals that stop the run at the next step boundary with a checkpoint of that step. The first
@@ -47,6 +56,9 @@ class Preemption(Callback):
             resume: auto: a `fit` without `--ckpt_path` continues from the newest complete checkpoint of the
                 ModelCheckpoint folder (a damaged one is skipped with a warning and renamed `*.damaged`); never:
                 start at step 0, after moving that folder's checkpoints into `previous-<time>/`.
+            grace_s: Seconds the scheduler waits between its signal and a kill (Kubernetes'
+                terminationGracePeriodSeconds, 30 by default; SLURM's --signal=USR1@<s>). After the first save,
+                a warning says so when a preemption save would take longer at the measured write rate.
         """
         names = {s.name for s in signal.Signals}
         unknown = [s for s in signals if s not in names]
@@ -55,8 +67,12 @@ class Preemption(Callback):
         self.signals = tuple(signal.Signals[s] for s in signals)
         if resume not in ("auto", "never"):
             raise ValueError(f"preemption.resume must be auto or never, got {resume!r}")
+        if not grace_s > 0:
+            raise ValueError(f"preemption.grace_s must be > 0 seconds, got {grace_s!r}")
         self.requeue = requeue
         self.resume = resume
+        self.grace_s = float(grace_s)
+        self._reported_write = self._reserved = False
         self.received: int = 0  # signal number, 0 while none
         self._previous: dict[int, Any] = {}
         self._group: Any = None
@@ -80,8 +96,13 @@ class Preemption(Callback):
         if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
             # a host-side group: agreeing on the flag each step never waits for the GPU
             self._group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
+        self._reported_write = self._reserved = False
+        if trainer.is_global_zero:
+            self._report_size(trainer, pl_module)
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if not self._reported_write and trainer.is_global_zero:  # a first write completed after the last step
+            self._report_write(trainer)
         for sig, handler in self._previous.items():
             if threading.current_thread() is threading.main_thread() and handler is not None:
                 signal.signal(sig, handler)
@@ -99,6 +120,10 @@ class Preemption(Callback):
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        if not self._reported_write and trainer.is_global_zero:
+            self._report_write(trainer)
+        if not self._reserved and trainer.is_global_zero and not compat.inside_accumulation(trainer):
+            self._reserve_host_memory(trainer, pl_module)
         if compat.inside_accumulation(trainer):
             return  # inside a gradient accumulation: its gradients are not saved, so stop at the optimizer step
         signum = self._agreed_signal()
@@ -106,7 +131,8 @@ class Preemption(Callback):
             return
         self.received = signum
         name = signal.Signals(signum).name
-        path = self.save(trainer)
+        path = self.save(trainer)  # a background CheckpointIO first completes the periodic save in flight
+        wait_for_writes(trainer)  # then its own: complete (or its error raised) before the exit status says saved
         if self.requeue and signum == signal.SIGUSR1 and SLURMEnvironment.detect() and trainer.is_global_zero:
             _slurm_requeue()
         code = retry_code(signum)
@@ -133,6 +159,54 @@ class Preemption(Callback):
         path = os.path.join(folder, f"preempted-step={trainer.global_step}.ckpt")
         trainer.save_checkpoint(path)
         return path
+
+
+    # ------------------------------------------------------------------------------------ what a save costs
+
+    def _report_size(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        weights, state = expected_checkpoint_bytes(pl_module, trainer.optimizers)
+        io = trainer.strategy.checkpoint_io
+        how = "in the background (AsyncAtomicCheckpointIO)" if isinstance(io, AsyncAtomicCheckpointIO) else (
+            f"synchronously ({type(io).__name__})")
+        optimizer = f"{_size(state)} optimizer state" if state >= 0 else "optimizer state of unknown size"
+        rank_zero_info(f"checkpoints: about {_size(weights + max(state, 0))} each ({_size(weights)} weights + "
+                       f"{optimizer}), written {how}")
+
+    def _reserve_host_memory(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """After the first optimizer step (its moments exist now), the background saves' host buffers for the
+        weights and moments, so that no periodic save, hours in, pays for allocating pinned memory."""
+        self._reserved = True
+        io = trainer.strategy.checkpoint_io
+        if not isinstance(io, AsyncAtomicCheckpointIO):
+            return
+        start = time.perf_counter()
+        tensors = [t for t in pl_module.state_dict().values() if isinstance(t, torch.Tensor)]
+        for optimizer in trainer.optimizers:
+            tensors += [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+        added = io.host_copy.reserve(tensors)
+        if added:
+            rank_zero_info(f"checkpoints: {_size(added)} of host memory reserved for background saves "
+                           f"in {time.perf_counter() - start:.1f} s")
+
+    def _report_write(self, trainer: Trainer) -> None:
+        """After the first complete write: its rate, and a warning when a preemption save outlasts `grace_s`."""
+        io = trainer.strategy.checkpoint_io
+        written = getattr(innermost(io), "last_write", None)
+        if written is None:
+            return
+        self._reported_write = True
+        nbytes, seconds = written
+        background = isinstance(io, AsyncAtomicCheckpointIO) and bool(io.timings)
+        stall = f"; training stalled {io.timings[0].stall_s:.2f} s" if background else ""
+        rank_zero_info(f"checkpoint written: {_size(nbytes)} in {seconds:.1f} s "
+                       f"({nbytes / max(seconds, 1e-9) / 1e6:,.0f} MB/s){stall}")
+        # a preemption save waits for a periodic one in flight, then writes its own
+        worst = 2 * seconds if background else seconds
+        if worst > self.grace_s:
+            log.warning(f"preemption.grace_s={self.grace_s:g}: a preemption save takes about {seconds:.0f} s here"
+                        + (f" (up to {worst:.0f} s with a periodic save in flight)" if background else "")
+                        + ", longer than the scheduler waits after its signal: give the job a longer grace period "
+                        "(Kubernetes terminationGracePeriodSeconds, SLURM --signal=USR1@<s>) and set grace_s to it")
 
 
 def _slurm_requeue() -> None:

@@ -11,7 +11,7 @@ from typing import Any
 
 from dflash_lightning import lightning_compat as compat
 from dflash_lightning.config import ConfigError
-from dflash_lightning.target_model.fingerprints import target_fingerprint, tokenizer_sha256
+from dflash_lightning.target_model.fingerprints import check_same_target, target_fingerprint, tokenizer_sha256
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +24,7 @@ FREE = (
     "model.compile_mode", "model.compile_cache_dir", "model.metrics_every", "model.topk", "model.head_chunk_size",
     "model.fp8", "model.fp8_recipe",  # precision, like trainer.precision: the same weights, other matmuls
     "model.nonfinite", "model.max_nonfinite_in_a_row",  # policies of a bad step, not what is trained
+    "model.accept_target_change",  # an override of one check, below
     "model.init_from",  # a warm start's source: a resumed run's weights are the checkpoint's
     "model.target", "target.path", "tokenizer.path", "data.tokenizer",  # paths: the fingerprints are compared
     "data.train_files", "data.val_files", "data.val_batches", "data.num_workers", "data.cache_dir",
@@ -31,7 +32,9 @@ FREE = (
 )
 NOT_FREE = ("trainer.global_batch",)  # ... except this one
 # `validate` checks only that the weights fit: their shape and their target.
-FIXED_FOR_WEIGHTS = ("drafter.", "target.config_sha256", "target.weights_sha256", "tokenizer.sha256")
+FIXED_FOR_WEIGHTS = ("drafter.", "target.config_sha256", "tokenizer.sha256")
+# The target's content, checked on its own (`check_same_target`: one line, and model.accept_target_change accepts it).
+CONTENT = "target.weights_fingerprint"
 
 
 class ResumeError(ConfigError):
@@ -85,7 +88,7 @@ def compare(saved: dict[str, Any], current: dict[str, Any], weights_only: bool =
     """(refused, changed): one `field: old -> new` line per differing field, split by whether it may change."""
     refused, changed = [], []
     missing = "(not recorded)"
-    for key in sorted(current.keys()):  # a field unknown now (no Trainer, no data module) is not compared
+    for key in sorted(current.keys() - {CONTENT}):  # a field unknown now (no Trainer, no data module): not compared
         old, new = saved.get(key, missing), current[key]
         if old == new:
             continue
@@ -100,8 +103,10 @@ def compare(saved: dict[str, Any], current: dict[str, Any], weights_only: bool =
     return refused, changed
 
 
-def check_resume(saved: dict[str, Any] | None, current: dict[str, Any], path: str | None, fitting: bool) -> list[str]:
-    """Raise ResumeError naming every fixed field that differs; log and return the fields that changed."""
+def check_resume(saved: dict[str, Any] | None, current: dict[str, Any], path: str | None, fitting: bool,
+                 accept_target_change: bool = False) -> list[str]:
+    """Raise ResumeError naming every fixed field that differs, then `TargetChangedError` for other target weights
+    (unless accepted); log and return the fields that changed."""
     where = f" from {path}" if path else ""
     if saved is None:
         log.warning(f"the checkpoint{where} has no settings record (written by an older version): the drafter's "
@@ -110,14 +115,47 @@ def check_resume(saved: dict[str, Any] | None, current: dict[str, Any], path: st
     refused, changed = compare(saved, current, weights_only=not fitting)
     if refused:
         raise ResumeError(
-            f"cannot resume{where}: these settings change what is trained (checkpoint -> now):\n  "
-            + "\n  ".join(refused)
-            + "\ntype the checkpoint's values, or start a new run (--preemption.resume=never, or another folder)"
+            f"cannot resume{where}: these settings change what is trained (checkpoint -> now): "
+            + "; ".join(refused)
+            + ". Type the checkpoint's values, or start a new run (--preemption.resume=never, or another folder)"
         )
+    if CONTENT in current:
+        check_same_target(saved.get(CONTENT), current[CONTENT], f"the checkpoint {path or ''}".rstrip(),
+                          current.get("target.path", "?"), accept_target_change)
     if changed:
         log.warning(f"resuming{where} with changed settings (checkpoint -> now), which take effect:\n  "
                     + "\n  ".join(changed))
     return changed
+
+
+def check_weights(checkpoint: dict[str, Any], expected: dict[str, Any], drafter: dict[str, Any], path: str | None
+                  ) -> None:
+    """Refuse in one line a checkpoint whose weights are not those of this run's drafter (one of another model, or of
+    an older version without a settings record): the drafter fields that differ, else the weights' names and shapes.
+    """
+    state = checkpoint.get("state_dict")
+    if not isinstance(state, dict):  # a sharded checkpoint: the strategy loads the weights itself
+        return
+    missing = [k for k in expected if k not in state]
+    unexpected = [k for k in state if k not in expected]
+    reshaped = [f"{k}: {list(state[k].shape)} -> {list(expected[k].shape)}" for k in expected
+                if k in state and tuple(state[k].shape) != tuple(expected[k].shape)]
+    if not (missing or unexpected or reshaped):
+        return
+    saved, drafter = checkpoint.get("drafter_config"), _plain(drafter)
+    fields = [f"drafter.{k}: {v!r} -> {drafter[k]!r}" for k, v in _plain(saved).items()
+              if k in drafter and v != drafter[k]] if isinstance(saved, dict) else []
+
+    def some(names: list[str]) -> str:
+        return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+
+    weights = "; ".join(f"{len(names)} {what} ({some(names)})" for what, names in (
+        ("missing", missing), ("not in this drafter", unexpected), ("of another shape", reshaped)) if names)
+    where = f"the checkpoint {path}" if path else "the checkpoint"
+    kind = "this run's drafter" if isinstance(saved, dict) else "a DFlash drafter (no drafter_config)"
+    raise ResumeError(f"{where} holds other weights than {kind}: "
+                      + (f"drafter fields differ (checkpoint -> now): {'; '.join(fields)}; " if fields else "")
+                      + f"weights: {weights}")
 
 
 def rescale_loop_progress(checkpoint: dict[str, Any], old_world: int, new_world: int) -> None:

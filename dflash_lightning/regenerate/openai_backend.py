@@ -81,10 +81,16 @@ class Server:
 
         try:
             page = await self.client.models.list()
+        except openai.APITimeoutError as err:  # a wedged server: it takes the connection and never answers
+            raise ServerError(f"{self.url}/models gave no answer within {self.timeout:g} s, {self.max_retries + 1} "
+                              "tries; is the server still loading, or wedged?") from err
         except openai.APIConnectionError as err:
             raise ServerError(f"cannot reach {self.url} ({err.__cause__ or err}); is the server up?") from err
         except openai.APIStatusError as err:
             raise ServerError(f"{self.url}/models answered HTTP {err.status_code}: {said(err)}") from err
+        except (openai.APIError, ValueError, AttributeError) as err:  # not JSON; not even said to be (AttributeError)
+            raise ServerError(f"{self.url}/models did not answer a JSON list of models ({type(err).__name__}: "
+                              f"{err}); is it an OpenAI-compatible API root?") from err
         data = getattr(page, "data", None)
         if not isinstance(data, list) or not all(isinstance(getattr(m, "id", None), str) for m in data):
             raise ServerError(f"{self.url}/models did not answer a list of models: {page!r:.200}")

@@ -1,0 +1,135 @@
+"""Checkpoint save benchmark: the stall on the training thread and the write time of a synchronous save
+(AtomicCheckpointIO) against a background one (AsyncAtomicCheckpointIO), for a drafter state of a given size.
+
+    python benchmarks/checkpoint_bench.py --out benchmarks/results/h200-<date>-checkpoint.json   # 12.6 GB, cuda
+    python benchmarks/checkpoint_bench.py --device cpu --size-gb 0.05 --dir /tmp/x --out x.json  # a smoke run
+
+The state is laid out as the Qwen3-8B recipe's checkpoint: fp32 weights (a third of the bytes) and AdamW's two
+moments, in [4096, 4096] blocks. While each background write runs, the benchmark changes every tensor in place
+(as optimizer steps do) and then checks that the file holds the values of the save's moment. Files are written
+into --dir (default: a folder beside --out, so on the disk the runs use); it needs about twice the size free.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from dflash_lightning.long_runs.async_save import AsyncAtomicCheckpointIO
+from dflash_lightning.long_runs.atomic import write_json
+from dflash_lightning.long_runs.checkpointing import AtomicCheckpointIO, checkpoint_bytes, load_checkpoint
+
+BLOCK = (4096, 4096)  # fp32: 64 MiB, a drafter projection of Qwen3-8B's width
+
+
+def drafter_state(size_bytes: int, device: torch.device) -> dict:
+    """A Lightning-shaped checkpoint of about `size_bytes`: weights + two AdamW moments per weight."""
+    per_weight = 3 * 4  # bytes per parameter: weight, exp_avg, exp_avg_sq (fp32)
+    numel = max(1, size_bytes // per_weight)
+    weights, state = {}, {}
+    block = BLOCK[0] * BLOCK[1]
+    for i in range((numel + block - 1) // block):
+        n = min(block, numel - i * block)
+        shape = BLOCK if n == block else (n,)
+        weights[f"drafter.w{i}"] = torch.full(shape, float(i), device=device)
+        state[i] = {"step": torch.tensor(1.0, device=device), "exp_avg": torch.zeros(shape, device=device),
+                    "exp_avg_sq": torch.ones(shape, device=device)}
+    return {"state_dict": weights, "optimizer_states": [{"state": state, "param_groups": []}], "global_step": 0,
+            "drafter_config": {}}
+
+
+def train_in_place(ckpt: dict) -> None:
+    """What optimizer steps do to a saved state while it is written: change every tensor in place."""
+    for t in ckpt["state_dict"].values():
+        t.add_(1)
+    for s in ckpt["optimizer_states"][0]["state"].values():
+        for t in s.values():
+            t.add_(1)
+
+
+def check_file(path: Path, expected_first: float) -> None:
+    """The file holds the values of the save's moment, not those of later steps."""
+    ckpt = load_checkpoint(path, mmap=True)
+    got = float(ckpt["state_dict"]["drafter.w0"].flatten()[0])
+    if got != expected_first:
+        raise SystemExit(f"{path}: holds {got}, the state at the save was {expected_first}: the snapshot is torn")
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size-gb", type=float, default=12.6, help="checkpoint size in GB (1e9 bytes)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--saves", type=int, default=3, help="background saves (the first allocates host memory)")
+    parser.add_argument("--dir", type=Path, default=None, help="where the files go (default: beside --out)")
+    parser.add_argument("--no-pin", action="store_true", help="background copies in pageable host memory")
+    parser.add_argument("--out", type=Path, required=True, help="JSON result")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    size = int(args.size_gb * 1e9)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    folder = Path(tempfile.mkdtemp(prefix=".checkpoint-bench-", dir=args.dir or args.out.parent))
+    try:
+        free = shutil.disk_usage(folder).free
+        if free < 2.1 * size:
+            raise SystemExit(f"{folder}: {free / 1e9:.1f} GB free, the benchmark writes two {size / 1e9:.1f} GB files")
+        ckpt = drafter_state(size, device)
+        synchronize(device)
+        nbytes = checkpoint_bytes(ckpt)
+
+        sync_path = folder / "sync.ckpt"
+        start = time.perf_counter()
+        AtomicCheckpointIO().save_checkpoint(ckpt, sync_path)
+        sync_s = time.perf_counter() - start
+        sync_path.unlink()
+
+        io = AsyncAtomicCheckpointIO(pin_memory=not args.no_pin)
+        saves = []
+        for i in range(args.saves):
+            path = folder / f"async-{i % 2}.ckpt"  # two names, as a rotation: a save never overwrites the one in flight
+            expected = float(ckpt["state_dict"]["drafter.w0"].flatten()[0])
+            start = time.perf_counter()
+            io.save_checkpoint(ckpt, path)  # waits for the save before: measured in wait_s
+            stall = time.perf_counter() - start
+            train_in_place(ckpt)  # the next steps, during the write
+            synchronize(device)
+            io.wait()
+            done = time.perf_counter() - start
+            timing = io.timings[-1]
+            check_file(path, expected)
+            saves.append({"stall_s": stall, "wait_s": timing.wait_s, "copy_s": timing.copy_s,
+                          "write_s": timing.write_s, "save_to_complete_s": done,
+                          "file_bytes": path.stat().st_size})
+        io.teardown()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    later = saves[1:] or saves
+    result = {
+        "benchmark": "checkpoint_bench", "date": time.strftime("%Y-%m-%d"), "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
+        "torch": torch.__version__, "python": sys.version.split()[0], "dir": str(args.dir or args.out.parent),
+        "size_bytes": nbytes, "pin_memory": not args.no_pin, "host_copy_bytes": io.host_copy.nbytes,
+        "sync": {"stall_s": sync_s, "write_s": sync_s, "GBps": nbytes / sync_s / 1e9},
+        "async": saves,
+        "async_stall_s_after_first": max(s["stall_s"] for s in later),
+        "async_write_GBps": nbytes / max(s["write_s"] for s in later) / 1e9,
+    }
+    write_json(args.out, result)
+    print(json.dumps({k: v for k, v in result.items() if k != "async"}, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()
