@@ -20,7 +20,7 @@ import yaml
 from conftest import make_target
 from lightning.pytorch import Callback
 from test_cli import CONFIGS, write_conversations
-from test_faults import ROOT, fault_config, fit, steps_in
+from test_faults import ROOT, fault_config, fit, preempt_twice_then_finish, steps_in
 
 import dflash_lightning.long_runs.checkpointing as checkpointing
 from dflash_lightning.long_runs.async_save import AsyncAtomicCheckpointIO, HostCopy, expected_checkpoint_bytes
@@ -219,21 +219,15 @@ def test_two_preemptions_and_resumes_with_background_writes_end_with_last_at_the
     """The sequence of tests/test_faults.py under the GPU configs' settings, with background writes."""
     folder = tmp_path / "checkpoints"
     top_k = gpu_checkpoint_settings()["save_top_k"]
-    for run, at_step in (("run1", 2), ("run2", 6), ("run3", None)):
-        callbacks = [cb("SlowWrites", delay=0.3)] + ([] if at_step is None else [
-            {"class_path": "test_faults.SendSignal", "init_args": {"signum": int(signal.SIGTERM), "at_step": at_step}}])
+    def config_for(run: str, callbacks: list[dict]) -> Path:
         config = async_config(assets, tmp_path / run, max_steps=13, callbacks=callbacks)
         spec = yaml.safe_load(config.read_text())
         spec["trainer"]["callbacks"][0]["init_args"]["dirpath"] = str(folder)
         config.write_text(yaml.safe_dump(spec))
-        if at_step is None:
-            assert fit(config).trainer.global_step == 13
-        else:
-            with pytest.raises(Preempted):
-                fit(config)
-            assert load_checkpoint(folder / "last.ckpt")["global_step"] == at_step + 1
-    names = sorted(p.name for p in folder.iterdir())
-    assert not [n for n in names if "-v" in n or n.startswith(".")] and len(names) <= top_k + 1, names
+        return config
+
+    names = preempt_twice_then_finish(folder, config_for, [cb("SlowWrites", delay=0.3)])
+    assert len(names) <= top_k + 1, names
     assert (folder / "last.ckpt").resolve().name == "step=13.ckpt"
     assert load_checkpoint(folder / "last.ckpt")["global_step"] == 13
 

@@ -213,6 +213,24 @@ def _shipped_checkpoint_settings() -> dict[str, dict]:
 SHIPPED = _shipped_checkpoint_settings()
 
 
+def preempt_twice_then_finish(folder: Path, config_for, extra_callbacks: list[dict] | None = None) -> list[str]:
+    """SIGTERM at steps 3 and 7, resume twice, finish at 13 (`config_for(run, callbacks)` writes each run's config,
+    checkpoints into `folder`); checks `last` after each stop and no `-vN` or hidden file; returns the names."""
+    for run, at_step in (("run1", 2), ("run2", 6), ("run3", None)):
+        signal_cb = [] if at_step is None else [
+            {"class_path": "test_faults.SendSignal", "init_args": {"signum": int(signal.SIGTERM), "at_step": at_step}}]
+        config = config_for(run, (extra_callbacks or []) + signal_cb)
+        if at_step is None:
+            assert fit(config).trainer.global_step == 13
+        else:
+            with pytest.raises(Preempted):
+                fit(config)
+            assert load_checkpoint(folder / "last.ckpt")["global_step"] == at_step + 1
+    names = sorted(p.name for p in folder.iterdir())
+    assert not [n for n in names if "-v" in n or n.startswith(".")], names
+    return names
+
+
 @pytest.mark.parametrize("name", sorted(SHIPPED))
 def test_last_is_the_newest_step_after_two_preemptions_and_resumes(assets, tmp_path, name):
     """Under each shipped config's checkpoint settings: preempted at steps 3 and 7 (between periodic saves),
@@ -222,24 +240,18 @@ def test_last_is_the_newest_step_after_two_preemptions_and_resumes(assets, tmp_p
     top_k = settings["save_top_k"]
     settings.pop("periodic")
     folder = tmp_path / "checkpoints"
-    for run, at_step in (("run1", 2), ("run2", 6), ("run3", None)):
-        signal_cb = [] if at_step is None else [
-            {"class_path": "test_faults.SendSignal", "init_args": {"signum": int(signal.SIGTERM), "at_step": at_step}}]
-        config = fault_config(assets, tmp_path / run, max_steps=13, callbacks=signal_cb, checkpoints=folder,
+
+    def config_for(run: str, callbacks: list[dict]) -> Path:
+        config = fault_config(assets, tmp_path / run, max_steps=13, callbacks=callbacks, checkpoints=folder,
                               **settings)
         if not SHIPPED[name]["periodic"]:  # tiny.yaml saves at validation: keep its own trigger, not a period
             spec = yaml.safe_load(config.read_text())
             spec["trainer"]["callbacks"][0]["init_args"].pop("every_n_train_steps")
             spec["trainer"]["val_check_interval"] = 4
             config.write_text(yaml.safe_dump(spec))
-        if at_step is None:
-            assert fit(config).trainer.global_step == 13
-        else:
-            with pytest.raises(Preempted):
-                fit(config)
-            assert load_checkpoint(folder / "last.ckpt")["global_step"] == at_step + 1
-    names = sorted(p.name for p in folder.iterdir())
-    assert not [n for n in names if "-v" in n or n.startswith(".")], names
+        return config
+
+    names = preempt_twice_then_finish(folder, config_for)
     assert len(names) <= top_k + 1, names
     assert load_checkpoint(folder / "last.ckpt")["global_step"] == 13
     if settings["save_last"] == "link":
