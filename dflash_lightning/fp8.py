@@ -5,6 +5,7 @@ the frozen head's and the frozen target's pre-quantized weights with dynamically
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Literal
 
 import torch
@@ -12,7 +13,9 @@ from torch import Tensor, nn
 
 from dflash_lightning.config import ConfigError
 
-Recipe = Literal["rowwise", "tensorwise"]
+Recipe = Literal["tensorwise", "rowwise", "rowwise_with_gw_hp", "rowwise_forward_only"]
+# torchao's recipe names, plus FP8 for the forward GEMM only (both backward GEMMs in bf16: the gradients exact)
+RECIPES: tuple[str, ...] = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "rowwise_forward_only")
 AMAX_FLOOR = 1e-12  # all-zero rows (unsupervised slots' gradients) would get scale 0 and turn into NaN
 MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada, Hopper and later
 
@@ -40,19 +43,35 @@ def _fp8_shaped(module: nn.Module, name: str = "") -> bool:
     return shaped and "candidate_selector" not in name
 
 
-def convert_linears(module: nn.Module, recipe: Recipe) -> nn.Module:
-    """Swap `module`'s linear layers for torchao's float8 training linears (parameter names unchanged)."""
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+def training_config(recipe: Recipe, emulate: bool = False):
+    """torchao's `Float8LinearConfig` of `recipe` (`emulate`: FP8 numerics in high precision, for CPU tests)."""
+    from torchao.float8 import Float8LinearConfig
+    from torchao.float8.config import CastConfig, ScalingGranularity, ScalingType
 
-    return convert_to_float8_training(
-        module, config=Float8LinearConfig.from_recipe_name(recipe), module_filter_fn=_fp8_shaped
+    if recipe not in RECIPES:
+        raise ConfigError(f"model.fp8_recipe: {recipe!r} is not one of {', '.join(RECIPES)}")
+    if recipe != "rowwise_forward_only":
+        return dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate)
+    rows, off = (lambda: CastConfig(scaling_granularity=ScalingGranularity.AXISWISE)), CastConfig(
+        scaling_type=ScalingType.DISABLED)
+    return Float8LinearConfig(  # output = x_fp8 @ w_fp8 (per row); grad_input and grad_weight in bf16
+        cast_config_input=rows(), cast_config_weight=rows(), cast_config_grad_output=off,
+        cast_config_input_for_grad_weight=off, cast_config_weight_for_grad_input=off,
+        cast_config_grad_output_for_grad_weight=off, round_scales_to_power_of_2=True, emulate=emulate,
     )
+
+
+def convert_linears(module: nn.Module, recipe: Recipe, emulate: bool = False) -> nn.Module:
+    """Swap `module`'s linear layers for torchao's float8 training linears (parameter names unchanged)."""
+    from torchao.float8 import convert_to_float8_training
+
+    return convert_to_float8_training(module, config=training_config(recipe, emulate), module_filter_fn=_fp8_shaped)
 
 
 def _granularity(recipe: Recipe):
     from torchao.quantization import PerRow, PerTensor
 
-    return PerRow() if recipe == "rowwise" else PerTensor()
+    return PerTensor() if recipe == "tensorwise" else PerRow()  # the frozen head and target: per row or per tensor
 
 
 def quantize_frozen(weight: Tensor, recipe: Recipe = "rowwise") -> Tensor:

@@ -98,7 +98,7 @@ class DFlashModule(LightningModule):
         nonfinite: Literal["skip", "stop"] = "skip",
         max_nonfinite_in_a_row: int = 16,
         fp8: Literal["none", "head", "all"] = "none",
-        fp8_recipe: Literal["rowwise", "tensorwise"] = "rowwise",
+        fp8_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp", "rowwise_forward_only"] = "rowwise",
     ) -> None:
         """
         Args:
@@ -141,7 +141,9 @@ class DFlashModule(LightningModule):
             max_nonfinite_in_a_row: Under `skip`, raise once this many steps in a row were skipped.
             fp8: FP8 matmuls on Hopper GPUs (torchao): `head` runs the frozen head's logits and hidden-state
                 gradient in FP8, `all` also trains the drafter's linear layers in FP8 (over the same master weights).
-            fp8_recipe: FP8 scaling, per row or per tensor (torchao's recipe names).
+            fp8_recipe: FP8 scaling of the drafter's linears (torchao's recipe names): `tensorwise`, `rowwise`,
+                `rowwise_with_gw_hp` (the weight-gradient GEMM in bf16), or `rowwise_forward_only` (both backward
+                GEMMs in bf16); the frozen head and target scale per tensor for `tensorwise`, else per row.
 
         Anchors are drawn from a seed of each batch's place in the data stream (`batch["anchor_seed"]`, from
         `DFlashDataModule`), so a resumed run draws the same anchors as an uninterrupted one.

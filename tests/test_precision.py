@@ -150,3 +150,34 @@ def test_gpu_configs_keep_fp32_master_weights_and_compile_the_target(name):
     # (benchmarks/RESULTS.md)
     assert config["model"]["fp8"] == "none"
     assert config["target"]["compile"] is True  # 1.33x the eager target's rate on an H200, same features
+
+
+@pytest.mark.parametrize("recipe, exact_grad_input, exact_grad_weight", [
+    ("rowwise", False, False), ("tensorwise", False, False),
+    ("rowwise_with_gw_hp", False, True), ("rowwise_forward_only", True, True),
+])
+def test_each_fp8_recipe_keeps_in_high_precision_the_gemms_it_names(recipe, exact_grad_input, exact_grad_weight):
+    """In torchao's emulation: FP8 forward everywhere; the backward GEMMs a recipe keeps in bf16 give the plain
+    linear's gradients bit for bit (for one linear they do not depend on the forward's quantization)."""
+    pytest.importorskip("torchao")
+    from dflash_lightning.fp8 import convert_linears
+
+    torch.manual_seed(0)
+    plain = torch.nn.Linear(64, 32, bias=False)
+    fp8 = convert_linears(torch.nn.Sequential(torch.nn.Linear(64, 32, bias=False)), recipe, emulate=True)
+    fp8[0].weight.data.copy_(plain.weight.data)
+    x, g = torch.randn(16, 64), torch.randn(16, 32)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y = fp8(x1)
+    y.backward(g)
+    plain(x2).backward(g)
+    assert not torch.equal(y, plain(x2))  # the forward GEMM is FP8 in every recipe
+    assert torch.equal(x1.grad, x2.grad) is exact_grad_input
+    assert torch.equal(fp8[0].weight.grad, plain.weight.grad) is exact_grad_weight
+
+
+def test_an_unknown_fp8_recipe_is_refused_naming_the_field():
+    from dflash_lightning.fp8 import training_config
+
+    with pytest.raises(ConfigError, match="model.fp8_recipe: 'columnwise'"):
+        training_config("columnwise")
