@@ -199,7 +199,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} takes no storage_options")
         path = Path(path)
-        refuse_nonfinite(path, checkpoint)
+        refuse_nonfinite(path, nonfinite_weights(checkpoint.get("state_dict", {})))
         path.parent.mkdir(parents=True, exist_ok=True)
         checkpoint = {**checkpoint, CHECKSUMS_KEY: tensor_checksums(checkpoint)}
         written = [0]  # bytes of the partial file when the write stopped, for the error
@@ -229,9 +229,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         return load_checkpoint(path, map_location, weights_only, required=())
 
 
-def refuse_nonfinite(path: Path, checkpoint: dict[str, Any]) -> None:
-    """Refuse to save a checkpoint whose weights hold NaN or Inf, naming the tensors."""
-    bad = nonfinite_weights(checkpoint.get("state_dict", {}))
+def refuse_nonfinite(path: Path, bad: dict[str, int]) -> None:
+    """Refuse to save a checkpoint whose weights hold NaN or Inf (`bad`: `nonfinite_weights`), naming the tensors."""
     if bad:
         names = ", ".join(f"{k} ({n})" for k, n in list(bad.items())[:4]) + (", ..." if len(bad) > 4 else "")
         raise CheckpointError(

@@ -35,6 +35,7 @@ from dflash_lightning.long_runs.checkpointing import (
     _named_tensors,
     checksums_of,
     describe_damage,
+    nonfinite_weights,
     not_written,
     refuse_nonfinite,
 )
@@ -101,16 +102,16 @@ def _from_rank0(obj: Any) -> Any:
     return box[0]
 
 
-def _shared_checksums(tensors: dict[str, Tensor]) -> dict[str, int]:
-    """`checksums_of` the replicated tensors, each rank summing a share; the whole on rank 0 ({} elsewhere)."""
+def _by_share(compute: Callable[[list[str]], dict[str, int]], names: list[str]) -> dict[str, int]:
+    """`compute` over this rank's share of `names` (every world-th), all ranks' results merged, on every rank:
+    a check of the replicated tensors costs each rank 1/world of it."""
     rank, world = _rank_world()
-    names = sorted(tensors)
-    mine = checksums_of([(n, tensors[n]) for n in names[rank::world]])
+    mine = compute(sorted(names)[rank::world])
     if world == 1:
         return mine
-    parts: list[Any] = [None] * world if rank == 0 else []
-    dist.gather_object(mine, parts if rank == 0 else None, dst=0)
-    return {k: v for part in parts for k, v in part.items()} if rank == 0 else {}
+    parts: list[Any] = [None] * world
+    dist.all_gather_object(parts, mine)
+    return {k: v for part in parts for k, v in part.items()}
 
 
 def _failure(err: BaseException) -> BaseException:
@@ -131,7 +132,9 @@ def save_distributed(checkpoint: dict[str, Any], path: str | Path, thread_count:
     start = time.perf_counter()
     rank, world = _rank_world()
     path = Path(os.path.abspath(path))
-    refuse_nonfinite(path, checkpoint)  # every rank: the same weights, the same answer, so none waits alone
+    weights = checkpoint.get("state_dict", {})
+    # every rank the same answer (all refuse, none waits alone), each having checked its share
+    refuse_nonfinite(path, _by_share(lambda names: nonfinite_weights({n: weights[n] for n in names}), list(weights)))
     tmp = Path(_from_rank0(str(path.with_name(f".{path.name}.{os.getpid()}{PARTIAL_SUFFIX}"))))
     skeleton, tensors = split(checkpoint)
     error = ""
@@ -143,7 +146,7 @@ def save_distributed(checkpoint: dict[str, Any], path: str | Path, thread_count:
             error = f"{path}: checkpoint not written ({err.strerror or err})"
     if error := _from_rank0(error):
         raise CheckpointError(error)
-    sums = _shared_checksums(tensors)
+    sums = _by_share(lambda names: checksums_of([(n, tensors[n]) for n in names]), list(tensors))
     needed = sum(t.nbytes for t in tensors.values())
     try:
         with warnings.catch_warnings():
