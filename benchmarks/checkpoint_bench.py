@@ -1,8 +1,11 @@
 """Checkpoint save benchmark: the stall on the training thread and the write time of a synchronous save
-(AtomicCheckpointIO) against a background one (AsyncAtomicCheckpointIO), for a drafter state of a given size.
+(AtomicCheckpointIO) against a background one (AsyncAtomicCheckpointIO), for a drafter state of a given size;
+with --ranks N, the preemption save of a DDP run (a distributed checkpoint, every rank writing its share) against
+the single file rank 0 writes otherwise, and the load of each.
 
     python benchmarks/checkpoint_bench.py --out benchmarks/results/h200-<date>-checkpoint.json   # 12.6 GB, cuda
     python benchmarks/checkpoint_bench.py --device cpu --size-gb 0.05 --dir /tmp/x --out x.json  # a smoke run
+    python benchmarks/checkpoint_bench.py --device cpu --size-gb 0.4 --ranks 2 --out x.json      # gloo ranks
 
 The state is laid out as the Qwen3-8B recipe's checkpoint: fp32 weights (a third of the bytes) and AdamW's two
 moments, in [4096, 4096] blocks. While each background write runs, the benchmark changes every tensor in place
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import shutil
 import sys
@@ -22,10 +26,13 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from dflash_lightning.long_runs.async_save import AsyncAtomicCheckpointIO
 from dflash_lightning.long_runs.atomic import write_json
 from dflash_lightning.long_runs.checkpointing import AtomicCheckpointIO, checkpoint_bytes, load_checkpoint
+from dflash_lightning.long_runs.distributed_checkpoint import save_distributed
 
 BLOCK = (4096, 4096)  # fp32: 64 MiB, a drafter projection of Qwen3-8B's width
 
@@ -68,13 +75,65 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _rank(rank: int, ranks: int, port: int, size: int, device: str, folder: str, rounds: int, out: dict) -> None:
+    """One DDP-like rank with the same state as every rank: per round, rank 0 writes the single file, then all
+    ranks the folder; the disk is flushed (os.sync) before each save, so none pays for the one before."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo" if device == "cpu" else "nccl", rank=rank, world_size=ranks)
+    if device != "cpu":
+        torch.cuda.set_device(rank)
+    ckpt = drafter_state(size, torch.device(device if device == "cpu" else f"cuda:{rank}"))
+    single, distributed = [], []
+    for _ in range(rounds):
+        os.sync()
+        dist.barrier()
+        if rank == 0:  # what a preemption save of a DDP run wrote before: one file, from rank 0
+            start = time.perf_counter()
+            AtomicCheckpointIO().save_checkpoint(ckpt, Path(folder) / "single.ckpt")
+            single.append(time.perf_counter() - start)
+        os.sync()
+        dist.barrier()
+        start = time.perf_counter()
+        written = save_distributed(ckpt, Path(folder) / "distributed.ckpt")
+        distributed.append(time.perf_counter() - start)
+    out[rank] = {"single_file_s": single, "distributed_s": distributed, "rank_bytes": written.rank_bytes,
+                 "total_bytes": written.total_bytes, "size_bytes": checkpoint_bytes(ckpt)}
+    dist.destroy_process_group()
+
+
+def distributed(args: argparse.Namespace, size: int, folder: Path) -> dict:
+    """--ranks N: the distributed preemption save against the single file, and their loads (one process)."""
+    out = mp.Manager().dict()
+    mp.start_processes(_rank, args=(args.ranks, 29561, size, args.device, str(folder), args.saves, out),
+                       nprocs=args.ranks, join=True, start_method="fork" if args.device == "cpu" else "spawn")
+    per_rank = [out[r] for r in range(args.ranks)]
+    loads = {}
+    for name in ("single.ckpt", "distributed.ckpt"):  # checksums verified, as at every resume (from the page cache)
+        start = time.perf_counter()
+        load_checkpoint(folder / name)
+        loads[name] = time.perf_counter() - start
+    single = per_rank[0]["single_file_s"]
+    save = [max(times) for times in zip(*(r["distributed_s"] for r in per_rank), strict=True)]  # the slowest rank
+    return {
+        "size_bytes": per_rank[0]["size_bytes"], "ranks": args.ranks, "rounds": args.saves,
+        "single_file": {"bytes": (folder / "single.ckpt").stat().st_size, "save_s": single,
+                        "load_s": loads["single.ckpt"]},
+        "distributed": {"bytes": per_rank[0]["total_bytes"], "rank_bytes": [r["rank_bytes"] for r in per_rank],
+                        "save_s": save, "load_s": loads["distributed.ckpt"]},
+        "save_speedup_median": sorted(single)[len(single) // 2] / sorted(save)[len(save) // 2],
+    }
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-gb", type=float, default=12.6, help="checkpoint size in GB (1e9 bytes)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--saves", type=int, default=3, help="background saves (the first allocates host memory)")
+    parser.add_argument("--saves", type=int, default=3,
+                        help="background saves (the first allocates host memory); with --ranks, rounds of both saves")
     parser.add_argument("--dir", type=Path, default=None, help="where the files go (default: beside --out)")
     parser.add_argument("--no-pin", action="store_true", help="background copies in pageable host memory")
+    parser.add_argument("--ranks", type=int, default=0,
+                        help="N > 0: the distributed preemption save on N ranks (gloo on the CPU) instead")
     parser.add_argument("--out", type=Path, required=True, help="JSON result")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -85,6 +144,13 @@ def main(argv: list[str] | None = None) -> dict:
         free = shutil.disk_usage(folder).free
         if free < 2.1 * size:
             raise SystemExit(f"{folder}: {free / 1e9:.1f} GB free, the benchmark writes two {size / 1e9:.1f} GB files")
+        if args.ranks:
+            result = {"benchmark": "checkpoint_bench --ranks", "date": time.strftime("%Y-%m-%d"),
+                      "device": str(device), "cpus": os.cpu_count(), "torch": torch.__version__,
+                      "dir": str(args.dir or args.out.parent), **distributed(args, size, folder)}
+            write_json(args.out, result)
+            print(json.dumps(result, indent=1))
+            return result
         ckpt = drafter_state(size, device)
         synchronize(device)
         nbytes = checkpoint_bytes(ckpt)

@@ -26,6 +26,7 @@ from torch import Tensor
 from dflash_lightning.config import ConfigError, DrafterConfig, _rope_settings
 from dflash_lightning.long_runs.atomic import write_dir_atomic
 from dflash_lightning.long_runs.checkpointing import CheckpointError, load_checkpoint, nonfinite_weights
+from dflash_lightning.long_runs.distributed_checkpoint import is_distributed_checkpoint
 from dflash_lightning.model import DFlashDrafter
 from dflash_lightning.target_model import DTYPES, load_target_config, load_target_io, weight_map
 
@@ -378,7 +379,7 @@ def import_folder(folder: str | Path) -> tuple[DrafterConfig, dict[str, Tensor]]
 def read_drafter(path: str | Path) -> tuple[DrafterConfig, dict[str, Tensor], str | None]:
     """Config, weights and (for a checkpoint) target path of a Lightning `.ckpt` or an exported folder."""
     path = Path(path)
-    if path.is_dir():
+    if path.is_dir() and not is_distributed_checkpoint(path):
         return (*import_folder(path), None)
     if not path.exists():
         raise FileNotFoundError(f"no drafter checkpoint or folder at '{path}'")

@@ -98,12 +98,12 @@ def saved_path(callback: ModelCheckpoint) -> str:
     return callback._last_checkpoint_saved
 
 
-def adopt_class(callback: ModelCheckpoint, cls: type[ModelCheckpoint]) -> None:
-    """Make a built ModelCheckpoint an instance of its subclass `cls` (which adds no state): the configs name the
-    plain class, and Lightning builds it (or its default one) with no hook to choose the class."""
-    if "__init__" in vars(cls) or "__slots__" in vars(cls) or not isinstance(callback, cls.__mro__[1]):
+def adopt_class(obj: Any, cls: type) -> None:
+    """Make a built ModelCheckpoint (or strategy) an instance of its subclass `cls`, which adds no `__init__`
+    state: the configs name the plain class (or `ddp`), and Lightning builds it with no hook to choose the class."""
+    if "__init__" in vars(cls) or "__slots__" in vars(cls) or not isinstance(obj, cls.__mro__[1]):
         raise TypeError(f"{cls.__name__} must add no state to {cls.__mro__[1].__name__} to be adopted")
-    callback.__class__ = cls
+    obj.__class__ = cls
 
 
 # ---------------------------------------------------------------------------------------------- the scheduler

@@ -108,6 +108,21 @@ def test_checkpoint_bench_cpu_smoke_measures_sync_and_background_saves(tmp_path)
     assert result["async_write_GBps"] > 0 and not [p for p in tmp_path.iterdir() if p != out]  # files removed
 
 
+def test_checkpoint_bench_ranks_measures_the_distributed_save_against_the_single_file(tmp_path):
+    """--ranks 2 at 12 MB: both saves timed, each rank's share of the folder counted, both loaded; files removed."""
+    out = tmp_path / "ranks.json"
+    cmd = [sys.executable, "benchmarks/checkpoint_bench.py", "--device", "cpu", "--size-gb", "0.012", "--saves", "1",
+           "--ranks", "2", "--out", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    shares = result["distributed"]["rank_bytes"]
+    assert len(shares) == 2 and all(s > 0 for s in shares) and sum(shares) <= result["distributed"]["bytes"]
+    assert result["single_file"]["save_s"][0] > 0 and result["distributed"]["load_s"] > 0
+    assert not [p for p in tmp_path.iterdir() if p != out]
+
+
 def test_projection_from_a_fit_counts_fill_length_and_checkpoint_stalls():
     """Hours = tokens / (rate * fill * gpus * efficiency), plus one stall per save interval, from a fit's JSON."""
     sys.path.insert(0, str(ROOT))

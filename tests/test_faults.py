@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -28,6 +29,7 @@ from dflash_lightning.long_runs.checkpointing import (
     load_checkpoint,
     newest_complete_checkpoint,
 )
+from dflash_lightning.long_runs.distributed_checkpoint import save_distributed, shard_files
 from dflash_lightning.long_runs.preemption import Preempted, Preemption
 from dflash_lightning.module import NonFiniteError
 
@@ -532,6 +534,87 @@ def test_automatic_resume_falls_back_past_flipped_bits_in_the_newest_checkpoint(
     assert cli.trainer.global_step == 3 and f"resuming from {folder / 'step=2.ckpt'}" in caplog.text
     assert "tensor 'state_dict/drafter.norm.weight' fails its checksum" in caplog.text
     assert sorted(p.name for p in folder.glob("*.damaged")) == ["last.ckpt.damaged", "step=4.ckpt.damaged"]
+
+
+def _save_on_two_ranks(rank: int, port: int, source: str, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    save_distributed(load_checkpoint(source), out)  # each rank its copy, as under DDP
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def two_rank_folder(good_checkpoints, tmp_path_factory) -> Path:
+    """A real run's step 4 written as a distributed checkpoint by 2 gloo ranks (a DDP preemption save)."""
+    out = tmp_path_factory.mktemp("dcp") / "step=4.ckpt"
+    source = str(good_checkpoints / "checkpoints" / "step=4.ckpt")
+    mp.start_processes(_save_on_two_ranks, args=(29543, source, str(out)), nprocs=2, join=True, start_method="fork")
+    return out
+
+
+def copy_of(folder: Path, to: Path) -> Path:
+    shutil.copytree(folder, to)
+    return to
+
+
+def test_a_damaged_shard_of_a_distributed_checkpoint_is_refused_in_one_line_naming_the_file(
+        good_checkpoints, two_rank_folder, tmp_path):
+    """Flipped bits inside a tensor (found by its checksum), a cut shard, a shard unreadable at its size, a missing
+    meta.pt: each refused by load, export and fit naming the file; the intact folder loads as its `.ckpt` did."""
+    file = load_checkpoint(good_checkpoints / "checkpoints" / "step=4.ckpt")
+    whole = load_checkpoint(two_rank_folder)
+    assert all(torch.equal(whole["state_dict"][k], v) for k, v in file["state_dict"].items())
+    assert sorted(p.name for p in two_rank_folder.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
+    where = shard_files(two_rank_folder)
+    name = next(n for n, f in where.items() if f.name == "__1_0.distcp" and n.startswith("state_dict/"))
+    flipped = copy_of(two_rank_folder, tmp_path / "flipped.ckpt")
+    data = bytearray((flipped / "__1_0.distcp").read_bytes())
+    raw = whole["state_dict"][name.split("/", 1)[1]].numpy().tobytes()
+    at = data.find(raw)
+    assert at > 0
+    data[at + len(raw) // 2] ^= 0x10
+    (flipped / "__1_0.distcp").write_bytes(bytes(data))
+    cut = copy_of(two_rank_folder, tmp_path / "cut.ckpt")
+    (cut / "__0_0.distcp").write_bytes((cut / "__0_0.distcp").read_bytes()[:1000])
+    unreadable = copy_of(two_rank_folder, tmp_path / "unreadable.ckpt")
+    data = bytearray((unreadable / "__0_0.distcp").read_bytes())
+    data[:64] = bytes(64)  # the first tensor's zip header, the size kept
+    (unreadable / "__0_0.distcp").write_bytes(bytes(data))
+    no_meta = copy_of(two_rank_folder, tmp_path / "no-meta.ckpt")
+    (no_meta / "meta.pt").unlink()
+    expected = {
+        flipped: f"{flipped / '__1_0.distcp'}: damaged: tensor '{name}' fails its checksum",
+        cut: f"{cut / '__0_0.distcp'}: damaged: 1,000 bytes where",
+        unreadable: f"{unreadable / '__0_0.distcp'}: damaged: unreadable",
+        no_meta: f"{no_meta}: not a complete checkpoint folder (no meta.pt)",
+    }
+    for bad, line in expected.items():
+        for load in (load_checkpoint, lambda path: export_checkpoint(path, tmp_path / "hf")):
+            with pytest.raises(CheckpointError) as err:
+                load(bad)
+            assert str(err.value).startswith(line) and "\n" not in str(err.value), str(err.value)
+    with pytest.raises(CheckpointError, match=f"^{flipped / '__1_0.distcp'}: damaged"):
+        cli_main(["fit", "--config", str(good_checkpoints / "input.yaml"), f"--ckpt_path={flipped}"])
+    assert not (tmp_path / "hf").exists()
+
+
+def test_automatic_resume_takes_the_newest_of_files_and_folders_past_damaged_and_partial_ones(
+        good_checkpoints, two_rank_folder, tmp_path, caplog):
+    """A folder is a checkpoint like a file: the newest complete one wins; a damaged one is skipped (renamed
+    `*.damaged`); the hidden partial folder a SIGKILL leaves mid-save is removed."""
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    (folder / "step=2.ckpt").write_bytes((good_checkpoints / "checkpoints" / "step=2.ckpt").read_bytes())
+    copy_of(two_rank_folder, folder / "step=4.ckpt")
+    partial = copy_of(two_rank_folder, folder / ".step=6.ckpt.4242.partial")
+    (partial / "meta.pt").unlink()  # killed before rank 0 finished
+    assert newest_complete_checkpoint(folder) == folder / "step=4.ckpt"
+    assert not partial.exists() and "a distributed checkpoint write that did not finish" in caplog.text
+    shard = folder / "step=4.ckpt" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-10])
+    assert newest_complete_checkpoint(folder) == folder / "step=2.ckpt"
+    assert f"skipping damaged checkpoint {shard}: damaged" in caplog.text
+    assert sorted(p.name for p in folder.iterdir()) == ["step=2.ckpt", "step=4.ckpt.damaged"]
 
 
 def test_tensor_checksums_are_the_same_rule_on_any_layout_and_catch_one_bit():

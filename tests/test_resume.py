@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections import defaultdict
@@ -18,6 +19,7 @@ from test_cli import small_config
 
 from dflash_lightning.blocks import anchor_seed
 from dflash_lightning.cli import cli_main
+from dflash_lightning.long_runs.checkpointing import _named_tensors, load_checkpoint
 from dflash_lightning.long_runs.resume import CONTENT, RECORD_KEY, ResumeError, compare
 from dflash_lightning.target_model.fingerprints import TargetChangedError
 
@@ -48,7 +50,7 @@ def results(run: Path) -> tuple[list[tuple[int, float]], dict[int, Path]]:
     """A finished run's per-step (step, loss) pairs and its checkpoints by step."""
     rows = list(csv.DictReader(next(run.rglob("metrics.csv")).open()))
     losses = [(int(r["step"]), float(r["train/loss"])) for r in rows if r.get("train/loss")]
-    ckpts = {torch.load(p, weights_only=True)["global_step"]: p for p in (run / "ckpt").glob("*.ckpt")}
+    ckpts = {load_checkpoint(p, mmap=True, verify=False)["global_step"]: p for p in (run / "ckpt").glob("*.ckpt")}
     return losses, ckpts
 
 
@@ -169,17 +171,19 @@ def test_the_compiled_drafter_loads_a_checkpoint_with_the_same_keys(resume_confi
 LAYOUTS = {
     "ddp x2": ["--trainer.strategy=ddp", "--trainer.devices=2"],
     "1 x acc2": ["--trainer.accumulate_grad_batches=2"],
+    "ddp x1 acc2": ["--trainer.strategy=ddp", "--trainer.devices=1", "--trainer.accumulate_grad_batches=2"],
 }
 
 
-def fit_layout(config: Path, run: Path, layout: str, *args: str) -> dict[int, Path]:
-    """A run on `layout` that records every batch it trains; returns its checkpoints by step.
+def fit_layout(config: Path, run: Path, layout: str, *args: str, code: int = 0) -> dict[int, Path]:
+    """A run on `layout` that records every batch it trains; returns its checkpoints by step (`code`: the exit
+    status a DDP run must end with).
 
     DDP runs as a user starts it, `python -m dflash_lightning fit` in a fresh process that starts the second rank
     itself: a rank forked from this test process could not run backward once an earlier test compiled anything
     (PyTorch's CUDA wheels then start autograd's device threads, GPU or not: see docs/versions.md).
     """
-    run.mkdir(parents=True)
+    run.mkdir(parents=True, exist_ok=True)
     record = "--trainer.callbacks+=" + json.dumps({"class_path": "helpers.RecordRows", "init_args": {"out": str(run)}})
     argv = fit_args(config, run, *LAYOUTS[layout], record, *args)
     if layout.startswith("ddp"):
@@ -187,7 +191,7 @@ def fit_layout(config: Path, run: Path, layout: str, *args: str) -> dict[int, Pa
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests.parent), str(tests)]), "OMP_NUM_THREADS": "1"}
         done = subprocess.run([sys.executable, "-m", "dflash_lightning", *argv], cwd=tests.parent, env=env,
                               capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, done.stderr[-3000:]
+        assert done.returncode == code, done.stderr[-3000:]
     else:
         cli_main(argv)
     return results(run)[1]
@@ -205,22 +209,95 @@ def rows_by_step(run: Path) -> dict[int, list[tuple[int, int]]]:
     return {step: sorted(rows) for step, rows in sorted(steps.items())}
 
 
-@pytest.mark.parametrize(("before", "after"), [("ddp x2", "1 x acc2"), ("1 x acc2", "ddp x2")])
-def test_resume_on_another_number_of_ranks_trains_every_row_once(resume_config, tmp_path, before, after):
+@pytest.fixture(scope="module")
+def across(resume_config, tmp_path_factory):
+    """(before, after) -> (the uninterrupted run's folder on `before`, its checkpoints by step, the checkpoints of
+    its resume from step 4 on `after`), each pair run once for the tests of this module."""
+    runs: dict[tuple[str, str], tuple[Path, dict[int, Path], dict[int, Path]]] = {}
+
+    def run(before: str, after: str):
+        if (before, after) not in runs:
+            root = tmp_path_factory.mktemp("across")
+            ckpts = fit_layout(resume_config, root / "before", before)
+            again = fit_layout(resume_config, root / "after", after, f"--ckpt_path={ckpts[4]}")
+            runs[(before, after)] = root / "before", ckpts, again
+        return runs[(before, after)]
+
+    return run
+
+
+ACROSS = [("ddp x2", "1 x acc2"), ("1 x acc2", "ddp x2")]
+
+
+@pytest.mark.parametrize(("before", "after"), ACROSS)
+def test_resume_on_another_number_of_ranks_trains_every_row_once(across, before, after):
     """Stopped after 4 steps of 2 rows (epoch 0 has 6 rows: step 4 is mid-epoch 1) and resumed on another layout
     of the same global batch: each step trains the rows the uninterrupted run trained in it, none twice or skipped.
     """
-    ckpts = fit_layout(resume_config, tmp_path / "before", before)
-    uninterrupted = rows_by_step(tmp_path / "before")
+    run, _, again = across(before, after)
+    uninterrupted = rows_by_step(run)
     assert len(uninterrupted) == 8 and all(len(rows) == 2 for rows in uninterrupted.values())
     assert [e for e, _ in uninterrupted[3]] == [1, 1] and [e for e, _ in uninterrupted[6]] == [2, 2]
-    again = fit_layout(resume_config, tmp_path / "after", after, f"--ckpt_path={ckpts[4]}")
-    resumed = rows_by_step(tmp_path / "after")
+    resumed = rows_by_step(run.with_name("after"))
     assert resumed == {step: rows for step, rows in uninterrupted.items() if step >= 4}
     assert max(again) == 8
     state = torch.load(again[8], weights_only=True)
     assert state["epoch"] == 2 and state["optimizer_states"][0]["state"]  # AdamW moments came along
-    assert [s for s, _ in results(tmp_path / "after")[0]] == [4, 5, 6, 7]  # logged steps continue
+    assert [s for s, _ in results(run.with_name("after"))[0]] == [4, 5, 6, 7]  # logged steps continue
+
+
+@pytest.fixture(scope="module")
+def preempt_config(resume_config) -> Path:
+    """The resume config with the GPU configs' checkpoint settings: keep 2 by step, `last` a link, every 3 steps."""
+    config = yaml.safe_load(resume_config.read_text())
+    config["trainer"]["callbacks"][0]["init_args"] = {"filename": "{step}", "every_n_train_steps": 3, "save_top_k": 2,
+                                                      "monitor": "step", "mode": "max", "save_last": "link"}
+    path = resume_config.with_name("preempt.yaml")
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+SIGTERM_AT_3 = "--trainer.callbacks+=" + json.dumps(
+    {"class_path": "test_faults.SendSignal", "init_args": {"signum": int(signal.SIGTERM), "at_step": 3}})
+DDP_OF = {"ddp x2": "ddp x2", "1 x acc2": "ddp x1 acc2"}  # the same layout under DDP, whose preemption save is sharded
+
+
+@pytest.mark.parametrize(("before", "after"), ACROSS)
+def test_a_distributed_preemption_checkpoint_resumes_on_another_number_of_ranks(across, preempt_config, tmp_path,
+                                                                                before, after):
+    """SIGTERM in step 4 under DDP: every rank writes its share of a folder `step=4.ckpt/` that holds what the
+    uninterrupted run's `step=4.ckpt` file holds, tensors bitwise. Resumed on the other layout (automatically from
+    the newest of a file and a folder, or by --ckpt_path), it trains the rows of the uninterrupted run to the state,
+    bitwise, of the resume from that file; the keep-K rotation then removes the folder like a file."""
+    run, ckpts, again = across(before, after)
+    ddp = DDP_OF[before]
+    preempted = tmp_path / "preempted"
+    fit_layout(preempt_config, preempted, ddp, SIGTERM_AT_3, code=143)
+    folder = preempted / "ckpt" / "step=4.ckpt"
+    assert folder.is_dir() and (preempted / "ckpt" / "last.ckpt").resolve() == folder
+    shards = sorted(p.stat().st_size for p in folder.glob("*.distcp"))
+    ranks = 2 if ddp == "ddp x2" else 1
+    assert len(shards) == ranks and shards[0] > 0.4 * sum(shards) / ranks  # each rank wrote about its share
+    state, file = load_checkpoint(folder), load_checkpoint(ckpts[4])
+    assert state.keys() == file.keys()
+    tensors = dict(_named_tensors({k: state[k] for k in ("state_dict", "optimizer_states")}))
+    expected = dict(_named_tensors({k: file[k] for k in ("state_dict", "optimizer_states")}))
+    assert tensors.keys() == expected.keys() and all(torch.equal(tensors[n], t) for n, t in expected.items())
+    for key in ("loops", "lr_schedulers", "epoch", "global_step", "hyper_parameters", "drafter_config", "precision"):
+        assert state[key] == file[key], key
+    assert state[RECORD_KEY] == {**file[RECORD_KEY], "trainer.world_size": ranks,
+                                 "trainer.accumulate_grad_batches": 2 // ranks}
+
+    # the same command again, on the other layout: the same folder, the rows recorded after those of the first part
+    by_path = [] if after == "1 x acc2" else [f"--ckpt_path={folder}"]  # else the automatic resume
+    mine = fit_layout(preempt_config, preempted, after, *by_path)
+    assert rows_by_step(preempted) == rows_by_step(run)  # every row once, in the step the uninterrupted run took it
+    final, reference = (torch.load(p, weights_only=True) for p in (mine[8], again[8]))
+    assert all(torch.equal(final["state_dict"][n], w) for n, w in reference["state_dict"].items())
+    assert torch.equal(*(s["optimizer_states"][0]["state"][0]["exp_avg"] for s in (final, reference)))
+    # K = 2 by step, and `last`; Lightning keeps the checkpoint a run was resumed from by --ckpt_path
+    kept = ["last.ckpt", *(["step=4.ckpt"] if by_path else []), "step=6.ckpt", "step=8.ckpt"]
+    assert sorted(p.name for p in (preempted / "ckpt").iterdir()) == kept
 
 
 def test_a_resume_that_changes_the_global_batch_is_refused(resume_config, tmp_path):

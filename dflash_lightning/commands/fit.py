@@ -17,6 +17,7 @@ from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.strategies import DDPStrategy
 
 from dflash_lightning.data import DFlashDataModule
 from dflash_lightning.decoding.validation import SpeculativeValidation
@@ -31,6 +32,7 @@ from dflash_lightning.long_runs.checkpointing import (
     newest_complete_checkpoint,
     remove_partials,
 )
+from dflash_lightning.long_runs.distributed_checkpoint import DistributedSaveDDP
 from dflash_lightning.long_runs.preemption import Preemption
 from dflash_lightning.module import DFlashModule
 from dflash_lightning.pictures.image_logging import ImageLogging
@@ -75,14 +77,17 @@ class DFlashCLI(TypedSettingsCLI):
         super().parse_arguments(parser, args)
         subcommand = self.config.get("subcommand")
         ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
-        if ckpt_path and Path(ckpt_path).is_file():  # a damaged file is refused in one line before anything reads it
+        if ckpt_path and Path(ckpt_path).exists():  # damage is refused in one line before anything reads it
             load_checkpoint(ckpt_path, mmap=True, required=("state_dict",))
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
-        """The Trainer, with atomic checkpoint writes (unless the config names a CheckpointIO) and a fixed folder."""
+        """The Trainer, with atomic checkpoint writes (unless the config names a CheckpointIO), distributed preemption
+        saves under DDP, and a fixed folder."""
         trainer = super().instantiate_trainer(**kwargs)
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO and not self._names_checkpoint_io():
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+        if type(trainer.strategy) is DDPStrategy:  # `ddp` or `auto` on several devices: every rank writes its share
+            adopt_class(trainer.strategy, DistributedSaveDDP)
         for cb in trainer.checkpoint_callbacks:
             if type(cb) is ModelCheckpoint:  # the configs' plain class: `last` kept the newest (see RunCheckpoint)
                 adopt_class(cb, RunCheckpoint)

@@ -38,7 +38,7 @@ def write_atomic(path: Path, write: Any, suffix: str = ".tmp") -> None:
         write(tmp)
         with tmp.open("rb") as f:
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        put_in_place(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -49,15 +49,16 @@ def link_atomic(link: Path, target: Path, suffix: str = ".tmp") -> None:
     """Point `link` at `target` (a relative symlink) in one rename: a reader sees the old link or file, or the new
     link, never no file (removing first, then linking, leaves none in between). A copy where links are refused."""
     tmp = link.with_name(f".{link.name}.{os.getpid()}{suffix}")
-    tmp.unlink(missing_ok=True)
+    if tmp.exists() or tmp.is_symlink():  # left by a killed process of the same pid
+        _remove(tmp)
     try:
         os.symlink(os.path.relpath(target, link.parent), tmp)
     except OSError:  # Windows without the right to make links
-        shutil.copy(target, tmp)
+        (shutil.copytree if target.is_dir() else shutil.copy)(target, tmp)
     try:
-        os.replace(tmp, link)
+        put_in_place(tmp, link)  # over a file, a link, or a folder (a distributed `last` checkpoint)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        _remove(tmp)
         raise
     fsync_dir(link.parent)
 
@@ -93,13 +94,35 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(err, os.strerror(err), str(a), None, str(b))
 
 
+def put_in_place(tmp: Path, path: Path) -> None:
+    """Rename the finished `tmp` (a file or a folder) to `path`, replacing what is there (nothing, a file, a link or a
+    folder) in one step; what it replaced is removed after.
+
+    Where the filesystem cannot swap a folder in one step (not Linux, some network filesystems) the old one is moved
+    aside to `.<name>.<pid>.old` first, so a kill in that instant leaves it there, complete, and `path` missing.
+    """
+    if not path.exists() and not path.is_symlink():
+        os.rename(tmp, path)
+    elif not _is_folder(tmp) and not _is_folder(path):
+        os.replace(tmp, path)  # a file or link over a file or link
+    elif _exchange(tmp, path):
+        _remove(tmp)  # now what `path` was
+    else:
+        old = path.with_name(f".{path.name}.{os.getpid()}.old")
+        os.rename(path, old)
+        try:
+            os.rename(tmp, path)
+        except BaseException:
+            os.rename(old, path)
+            raise
+        _remove(old)
+
+
 def write_dir_atomic(path: Path, write: Callable[[Path], None], suffix: str = ".tmp") -> None:
     """`write(tmp_folder)`, fsync its tree, then put it at `path`: a reader sees the old folder or the whole new one.
 
     The temporary folder is `.<name>.<pid><suffix>` beside `path` (a symlink `path` is written through); an existing
-    folder is swapped out in one step and then removed. A write that fails removes the temporary folder and leaves
-    `path` as it was. Where the filesystem cannot swap (not Linux, some network filesystems) the old folder is moved
-    aside to `.<name>.<pid>.old` first, so a kill in that instant leaves it there, complete, and `path` missing.
+    folder is replaced by `put_in_place`. A write that fails removes the temporary folder and leaves `path` as it was.
     """
     path = path.resolve() if path.is_symlink() else Path(os.path.abspath(path))  # "." has no name to put beside
     if path.exists() and not path.is_dir():
@@ -113,27 +136,22 @@ def write_dir_atomic(path: Path, write: Callable[[Path], None], suffix: str = ".
         if path.is_dir():
             shutil.copymode(path, tmp)
         fsync_tree(tmp)
-        if not path.exists():
-            os.rename(tmp, path)
-        elif _exchange(tmp, path):
-            _remove(tmp)  # now the old folder
-        else:
-            old = path.with_name(f".{path.name}.{os.getpid()}.old")
-            os.rename(path, old)
-            try:
-                os.rename(tmp, path)
-            except BaseException:
-                os.rename(old, path)
-                raise
-            _remove(old)
+        put_in_place(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     fsync_dir(path.parent)
 
 
-def _remove(folder: Path) -> None:
-    """Remove a replaced folder; one that cannot be removed is named in a warning (the new folder is in place)."""
-    shutil.rmtree(folder, ignore_errors=True)
-    if folder.exists():
-        log.warning(f"could not remove {folder}, the folder it replaced; delete it by hand")
+def _is_folder(path: Path) -> bool:
+    return path.is_dir() and not path.is_symlink()
+
+
+def _remove(old: Path) -> None:
+    """Remove a replaced file or folder; one that cannot be removed is named in a warning (the new one is in place)."""
+    if _is_folder(old):
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        old.unlink(missing_ok=True)
+    if old.exists() or old.is_symlink():
+        log.warning(f"could not remove {old}, what it replaced; delete it by hand")

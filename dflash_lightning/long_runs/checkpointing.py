@@ -76,7 +76,11 @@ def tensor_checksum(t: Tensor) -> Tensor:
 
 def tensor_checksums(checkpoint: dict[str, Any]) -> dict[str, int]:
     """`tensor_checksum` of every tensor of a checkpoint, by path (one device-to-host copy per device)."""
-    named = list(_named_tensors(checkpoint))
+    return checksums_of(list(_named_tensors(checkpoint)))
+
+
+def checksums_of(named: list[tuple[str, Tensor]]) -> dict[str, int]:
+    """`tensor_checksum` of each (path, tensor), by path (one device-to-host copy per device)."""
     sums = [tensor_checksum(t) for _, t in named]
     by_device: dict[torch.device, list[int]] = {}
     for i, t in enumerate(sums):
@@ -91,9 +95,10 @@ def tensor_checksums(checkpoint: dict[str, Any]) -> dict[str, int]:
 _VERIFIED: set[tuple[str, int, int]] = set()  # (path, size, mtime) of the files whose checksums this process checked
 
 
-def verify_checksums(path: Path, checkpoint: dict[str, Any]) -> None:
-    """Raise a `CheckpointError` naming the first tensor whose bytes differ from the checksum stored at the save;
-    a checkpoint without checksums (an older version, or another CheckpointIO) passes unchecked."""
+def verify_checksums(path: Path, checkpoint: dict[str, Any], files: dict[str, Path] | None = None) -> None:
+    """Raise a `CheckpointError` naming the first tensor whose bytes differ from the checksum stored at the save
+    (and the file that holds it: `files`, by tensor path, for a folder); a checkpoint without checksums (an older
+    version, or another CheckpointIO) passes unchecked."""
     stored = checkpoint.get(CHECKSUMS_KEY)
     stat = path.stat()
     key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
@@ -102,7 +107,8 @@ def verify_checksums(path: Path, checkpoint: dict[str, Any]) -> None:
     found = tensor_checksums(checkpoint)
     for name, value in found.items():  # tensors removed or added since (an edit: optimizer states dropped) pass
         if name in stored and stored[name] != value:
-            raise CheckpointError(f"{path}: damaged: tensor '{name}' fails its checksum, its bytes changed after the "
+            where = (files or {}).get(name, path)
+            raise CheckpointError(f"{where}: damaged: tensor '{name}' fails its checksum, its bytes changed after the "
                                   f"save (disk or copy damage: use another checkpoint; after an edit on purpose, "
                                   f"drop the file's '{CHECKSUMS_KEY}' entry)")
     _VERIFIED.add(key)
@@ -151,22 +157,31 @@ def load_checkpoint(
     path: str | Path, map_location: Any = "cpu", weights_only: bool | None = None, mmap: bool = False,
     required: tuple[str, ...] = REQUIRED_KEYS, verify: bool = True,
 ) -> dict[str, Any]:
-    """A DFlashModule checkpoint, or a `CheckpointError` naming the file and what is wrong in one line; `verify`:
-    its tensors' checksums too (reads every byte, once per file and process)."""
+    """A DFlashModule checkpoint (a `.ckpt` file or a distributed checkpoint folder), or a `CheckpointError` naming
+    the file and what is wrong in one line; `verify`: its tensors' checksums too (reads every byte, once per file
+    and process). With `mmap` a file's tensors are mapped, not read; a folder's, unless verified, are meta-device
+    placeholders (only its header is read); a folder's tensors load on the CPU."""
     path = Path(path)
-    if not path.is_file():
+    files = None
+    if path.is_dir():  # a distributed checkpoint (a DDP run's preemption save); this module is its base
+        from dflash_lightning.long_runs.distributed_checkpoint import read_distributed, shard_files
+
+        ckpt = read_distributed(path, weights_only, tensors=verify or not mmap)
+        files = shard_files(path) if verify else None
+    elif not path.is_file():
         raise CheckpointError(f"{path}: no such checkpoint file")
-    try:
-        ckpt = torch.load(path, map_location=map_location, weights_only=weights_only, mmap=mmap)
-    except Exception as err:  # torch raises RuntimeError, EOFError, UnpicklingError, ... for damaged files
-        raise CheckpointError(f"{path}: {describe_damage(path, err)}") from err
+    else:
+        try:
+            ckpt = torch.load(path, map_location=map_location, weights_only=weights_only, mmap=mmap)
+        except Exception as err:  # torch raises RuntimeError, EOFError, UnpicklingError, ... for damaged files
+            raise CheckpointError(f"{path}: {describe_damage(path, err)}") from err
     if not isinstance(ckpt, dict):
         raise CheckpointError(f"{path}: not a Lightning checkpoint (holds a {type(ckpt).__name__}, not a dict)")
     missing = [k for k in required if k not in ckpt]
     if missing:
         raise CheckpointError(f"{path}: not a DFlashModule checkpoint (no {', '.join(map(repr, missing))})")
     if verify:
-        verify_checksums(path, ckpt)
+        verify_checksums(path, ckpt, files)
     return ckpt
 
 
@@ -184,13 +199,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} takes no storage_options")
         path = Path(path)
-        bad = nonfinite_weights(checkpoint.get("state_dict", {}))
-        if bad:
-            names = ", ".join(f"{k} ({n})" for k, n in list(bad.items())[:4]) + (", ..." if len(bad) > 4 else "")
-            raise CheckpointError(
-                f"{path}: refusing to save non-finite weights (NaN/Inf values in {len(bad)} tensors: {names}); "
-                "the checkpoints already written are kept"
-            )
+        refuse_nonfinite(path, nonfinite_weights(checkpoint.get("state_dict", {})))
         path.parent.mkdir(parents=True, exist_ok=True)
         checkpoint = {**checkpoint, CHECKSUMS_KEY: tensor_checksums(checkpoint)}
         written = [0]  # bytes of the partial file when the write stopped, for the error
@@ -207,16 +216,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             write_atomic(path, save, suffix=PARTIAL_SUFFIX)
             self.last_write = (path.stat().st_size, time.perf_counter() - start)
         except BaseException as err:
-            written = written[0]
-            os_err = _os_error(err)
-            if os_err is not None:
-                needed = checkpoint_bytes(checkpoint)
-                free = shutil.disk_usage(path.parent).free
-                reason = "disk full" if os_err.errno in (errno.ENOSPC, errno.EDQUOT) else os_err.strerror or str(os_err)
-                raise CheckpointError(
-                    f"{path}: checkpoint not written ({reason}): it needs about {_size(needed)}, "
-                    f"{_size(written)} were written, {_size(free)} are free; the previous checkpoints are intact"
-                ) from err
+            failure = not_written(path, err, checkpoint_bytes(checkpoint), written[0])
+            if failure is not None:
+                raise failure from err
             raise
 
     def load_checkpoint(
@@ -227,6 +229,29 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         return load_checkpoint(path, map_location, weights_only, required=())
 
 
+def refuse_nonfinite(path: Path, bad: dict[str, int]) -> None:
+    """Refuse to save a checkpoint whose weights hold NaN or Inf (`bad`: `nonfinite_weights`), naming the tensors."""
+    if bad:
+        names = ", ".join(f"{k} ({n})" for k, n in list(bad.items())[:4]) + (", ..." if len(bad) > 4 else "")
+        raise CheckpointError(
+            f"{path}: refusing to save non-finite weights (NaN/Inf values in {len(bad)} tensors: {names}); "
+            "the checkpoints already written are kept"
+        )
+
+
+def not_written(path: Path, err: BaseException, needed: int, written: int) -> CheckpointError | None:
+    """The one-line error of a save that an OSError stopped (a full disk: the bytes needed, written and free);
+    None for other errors."""
+    os_err = _os_error(err)
+    if os_err is None:
+        return None
+    free = shutil.disk_usage(path.parent).free
+    reason = "disk full" if os_err.errno in (errno.ENOSPC, errno.EDQUOT) else os_err.strerror or str(os_err)
+    return CheckpointError(f"{path}: checkpoint not written ({reason}): it needs about {_size(needed)}, "
+                           f"{_size(written)} were written, {_size(free)} are free; "
+                           "the previous checkpoints are intact")
+
+
 def _os_error(err: BaseException | None) -> OSError | None:
     """The OSError behind an error: torch.save reports a full disk as a RuntimeError raised while handling it."""
     while err is not None and not isinstance(err, OSError):
@@ -235,7 +260,7 @@ def _os_error(err: BaseException | None) -> OSError | None:
 
 
 def checkpoint_files(folder: str | Path) -> list[Path]:
-    """The `.ckpt` files of a folder, each file once (a `last.ckpt` link counts as its target)."""
+    """The `.ckpt` files and checkpoint folders of a folder, each once (a `last.ckpt` link counts as its target)."""
     folder = Path(folder)
     if not folder.is_dir():
         return []
@@ -268,6 +293,11 @@ def remove_partials(folder: str | Path) -> None:
     """Unfinished writes of a killed run: never readable as checkpoints, so they only take space."""
     folder = Path(folder)
     for partial in folder.glob(f".*{PARTIAL_SUFFIX}"):
+        if partial.is_dir() and not partial.is_symlink():  # a distributed save's folder
+            size = sum(f.stat().st_size for f in partial.rglob("*") if f.is_file())
+            log.warning(f"removing {partial}/: a distributed checkpoint write that did not finish ({_size(size)})")
+            shutil.rmtree(partial, ignore_errors=True)
+            continue
         log.warning(f"removing {partial}: a checkpoint write that did not finish ({_size(partial.stat().st_size)})")
         partial.unlink(missing_ok=True)
 

@@ -5,6 +5,7 @@ The restarted command resumes (`resume: auto`, done by the CLI) from the newest 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -28,6 +29,7 @@ from dflash_lightning.long_runs.async_save import (
     wait_for_writes,
 )
 from dflash_lightning.long_runs.checkpointing import _size
+from dflash_lightning.long_runs.distributed_checkpoint import DistributedSaveDDP
 
 log = logging.getLogger(__name__)
 
@@ -131,21 +133,32 @@ class Preemption(Callback):
             return
         self.received = signum
         name = signal.Signals(signum).name
-        path = self.save(trainer)  # a background CheckpointIO first completes the periodic save in flight
-        wait_for_writes(trainer)  # then its own: complete (or its error raised) before the exit status says saved
+        path = self.save(trainer)
+        wait_for_writes(trainer)  # its own (a background one): complete, or its error raised, before the exit status
         if self.requeue and signum == signal.SIGUSR1 and SLURMEnvironment.detect() and trainer.is_global_zero:
             _slurm_requeue()
         code = retry_code(signum)
-        log.warning(f"{name}: checkpoint of step {trainer.global_step} at {path}; exiting with {code} (retry)")
+        written = getattr(trainer.strategy, "last_write", None)
+        how = "" if written is None or os.path.realpath(written.path) != os.path.realpath(path) else (
+            f" ({_size(written.total_bytes)} written by {written.ranks} ranks, {_size(written.rank_bytes)} by this "
+            f"one, in {written.seconds:.1f} s)")
+        log.warning(f"{name}: checkpoint of step {trainer.global_step} at {path}{how}; exiting with {code} (retry)")
         raise Preempted(code)
 
     def save(self, trainer: Trainer) -> str:
         """One checkpoint of the step just finished, through the ModelCheckpoint callback (its folder, names and
-        keep-last-K rotation); returns its path."""
+        keep-last-K rotation); returns its path. Under DDP it is a distributed checkpoint, every rank writing its
+        share (long_runs/distributed_checkpoint.py)."""
         callbacks = [c for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint)]
         for cb in callbacks:
             if compat.saved_step(cb) == trainer.global_step:  # it saved this very step already
                 return cb.last_model_path or compat.saved_path(cb)
+        wait_for_writes(trainer)  # a periodic write in flight first: the disk is this save's, and K + 1 holds
+        strategy = trainer.strategy
+        with strategy.distributed_saves() if isinstance(strategy, DistributedSaveDDP) else contextlib.nullcontext():
+            return self._save(trainer, callbacks)
+
+    def _save(self, trainer: Trainer, callbacks: list[ModelCheckpoint]) -> str:
         for cb in callbacks:
             # what ModelCheckpoint does on a step it saves at (Lightning has no public "save now")
             candidates = compat.monitor_candidates(cb, trainer)
@@ -159,7 +172,6 @@ class Preemption(Callback):
         path = os.path.join(folder, f"preempted-step={trainer.global_step}.ckpt")
         trainer.save_checkpoint(path)
         return path
-
 
     # ------------------------------------------------------------------------------------ what a save costs
 
