@@ -11,12 +11,14 @@ import os
 import pickle
 import shutil
 import time
+import warnings
 import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.pytorch import Trainer
@@ -164,8 +166,6 @@ def load_checkpoint(
     path = Path(path)
     files = None
     if path.is_dir():  # a distributed checkpoint (a DDP run's preemption save); this module is its base
-        from dflash_lightning.long_runs.distributed_checkpoint import read_distributed, shard_files
-
         ckpt = read_distributed(path, weights_only, tensors=verify or not mmap)
         files = shard_files(path) if verify else None
     elif not path.is_file():
@@ -413,3 +413,104 @@ __all__ = [
     "checkpoint_files", "load_checkpoint", "move_aside", "newest_complete_checkpoint", "nonfinite_weights",
     "remove_partials", "tensor_checksum", "tensor_checksums", "verify_checksums",
 ]
+
+
+# Distributed checkpoint folders (a DDP run's preemption save, long_runs/distributed_checkpoint.py): reading.
+META = "meta.pt"  # the non-sharded rest, as in Lightning's own sharded (FSDP) checkpoints
+SHARDED = ("state_dict", "optimizer_states")  # replicated on every DDP rank: written once, spread over the ranks
+RECORD_KEY = "dflash_distributed"  # in meta.pt: {"ranks": N, "files": {name: bytes}}; dropped on load
+_NO_DIST = "torch.distributed is (disabled, )?unavailable or uninitialized"  # DCP's warning for a 1-process load
+
+
+def _replace(obj: Any, prefix: str, fn: Callable[[str, Tensor], Any]) -> Any:
+    """`obj` with each tensor `t` at checksum path `p` (as `_named_tensors` names it) replaced by `fn(p, t)`."""
+    if isinstance(obj, Tensor):
+        return fn(prefix, obj)
+    if isinstance(obj, dict):
+        return {k: _replace(v, f"{prefix}/{k}", fn) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        items = [_replace(v, f"{prefix}/{i}", fn) for i, v in enumerate(obj)]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)  # a namedtuple takes fields
+    return obj
+
+
+def split(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """(the checkpoint with the tensors of SHARDED as meta-device placeholders, those tensors by checksum path)."""
+    tensors: dict[str, Tensor] = {}
+
+    def take(name: str, t: Tensor) -> Tensor:
+        tensors[name] = t.detach()
+        return torch.empty(t.shape, dtype=t.dtype, device="meta")
+
+    skeleton = {k: _replace(v, k, take) if k in SHARDED else v for k, v in checkpoint.items()}
+    return skeleton, tensors
+
+
+def _failure(err: BaseException) -> BaseException:
+    """The error behind a DCP failure (DCP gathers each rank's into one CheckpointException)."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:
+        return next(iter(failures.values()))[0]
+    return err
+
+
+def read_distributed(path: Path, weights_only: bool | None = None, tensors: bool = True) -> dict[str, Any]:
+    """The checkpoint dict of a folder, its tensors on the CPU (`tensors=False`: meta-device placeholders, only
+    meta.pt read); a missing, resized or unreadable file is refused in one line naming it."""
+    meta = path / META
+    if not meta.is_file():
+        raise CheckpointError(f"{path}: not a complete checkpoint folder (no {META})")
+    try:
+        header = torch.load(meta, map_location="cpu", weights_only=weights_only)
+    except Exception as err:
+        raise CheckpointError(f"{meta}: {describe_damage(meta, err)}") from err
+    record = header.pop(RECORD_KEY, None) if isinstance(header, dict) else None
+    if not isinstance(record, dict):
+        raise CheckpointError(f"{path}: not a distributed checkpoint of this project (no {RECORD_KEY} in {META})")
+    for name, size in record["files"].items():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"{file}: missing, a file of the checkpoint written on {record['ranks']} ranks")
+        if file.stat().st_size != size:
+            raise CheckpointError(f"{file}: damaged: {file.stat().st_size:,} bytes where {size:,} were written "
+                                  "(cut short or overwritten: use another checkpoint)")
+    if not tensors:
+        return header
+    skeleton, placeholders = split(header)
+    loaded = {name: torch.empty(t.shape, dtype=t.dtype) for name, t in placeholders.items()}
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_NO_DIST)
+            dcp.load(loaded, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+    except BaseException as err:
+        if not isinstance(_failure(err), Exception):
+            raise
+        bad, cause = _unreadable_shard(path, loaded)
+        raise CheckpointError(f"{bad}: damaged: unreadable ({type(cause).__name__}: "
+                              f"{' '.join(str(cause).split())[:160]})") from cause
+    return {k: _replace(v, k, lambda name, _: loaded[name]) if k in SHARDED else v for k, v in skeleton.items()}
+
+
+def shard_files(path: Path) -> dict[str, Path]:
+    """Checksum path -> the file that holds the tensor (meta.pt for the tensors outside the shards)."""
+    storage = dcp.FileSystemReader(path).read_metadata().storage_data
+    return {index.fqn: path / info.relative_path for index, info in storage.items()}
+
+
+def _unreadable_shard(path: Path, tensors: dict[str, Tensor]) -> tuple[Path, BaseException]:
+    """The first shard file DCP cannot read, and its error, found by loading one file's tensors at a time."""
+    by_file: dict[Path, list[str]] = {}
+    for name, file in shard_files(path).items():
+        by_file.setdefault(file, []).append(name)
+    for file, names in sorted(by_file.items()):
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=_NO_DIST)
+                dcp.load({n: tensors[n] for n in names if n in tensors},
+                         storage_reader=dcp.FileSystemReader(path), no_dist=True)
+        except BaseException as err:
+            cause = _failure(err)
+            if isinstance(cause, Exception):
+                return file, cause
+            raise
+    return path, RuntimeError("no single shard fails alone")
