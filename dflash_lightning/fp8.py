@@ -6,16 +6,16 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from torch import Tensor, nn
 
 from dflash_lightning.config import ConfigError
 
-Recipe = Literal["tensorwise", "rowwise", "rowwise_with_gw_hp", "rowwise_forward_only"]
 # torchao's recipe names, plus FP8 for the forward GEMM only (both backward GEMMs in bf16: the gradients exact)
-RECIPES: tuple[str, ...] = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "rowwise_forward_only")
+Recipe = Literal["tensorwise", "rowwise", "rowwise_with_gw_hp", "rowwise_forward_only"]
+RECIPES: tuple[str, ...] = get_args(Recipe)
 AMAX_FLOOR = 1e-12  # all-zero rows (unsupervised slots' gradients) would get scale 0 and turn into NaN
 MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada, Hopper and later
 
@@ -52,10 +52,10 @@ def training_config(recipe: Recipe, emulate: bool = False):
         raise ConfigError(f"model.fp8_recipe: {recipe!r} is not one of {', '.join(RECIPES)}")
     if recipe != "rowwise_forward_only":
         return dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate)
-    rows, off = (lambda: CastConfig(scaling_granularity=ScalingGranularity.AXISWISE)), CastConfig(
-        scaling_type=ScalingType.DISABLED)
+    off = CastConfig(scaling_type=ScalingType.DISABLED)
     return Float8LinearConfig(  # output = x_fp8 @ w_fp8 (per row); grad_input and grad_weight in bf16
-        cast_config_input=rows(), cast_config_weight=rows(), cast_config_grad_output=off,
+        cast_config_input=CastConfig(scaling_granularity=ScalingGranularity.AXISWISE),
+        cast_config_weight=CastConfig(scaling_granularity=ScalingGranularity.AXISWISE), cast_config_grad_output=off,
         cast_config_input_for_grad_weight=off, cast_config_weight_for_grad_input=off,
         cast_config_grad_output_for_grad_weight=off, round_scales_to_power_of_2=True, emulate=emulate,
     )
@@ -71,7 +71,7 @@ def convert_linears(module: nn.Module, recipe: Recipe, emulate: bool = False) ->
 def _granularity(recipe: Recipe):
     from torchao.quantization import PerRow, PerTensor
 
-    return PerTensor() if recipe == "tensorwise" else PerRow()  # the frozen head and target: per row or per tensor
+    return PerTensor() if recipe == "tensorwise" else PerRow()  # the frozen head's scaling
 
 
 def quantize_frozen(weight: Tensor, recipe: Recipe = "rowwise") -> Tensor:

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from dflash_lightning import lightning_compat as compat
 from dflash_lightning.blocks import anchor_seed, base_slot_weights, select_anchors
 from dflash_lightning.config import ConfigError, DrafterConfig
-from dflash_lightning.fp8 import convert_linears, require_fp8
+from dflash_lightning.fp8 import Recipe, convert_linears, require_fp8
 from dflash_lightning.long_runs import resume
 from dflash_lightning.loss import LossSettings
 from dflash_lightning.metrics import DraftMetrics
@@ -98,7 +98,7 @@ class DFlashModule(LightningModule):
         nonfinite: Literal["skip", "stop"] = "skip",
         max_nonfinite_in_a_row: int = 16,
         fp8: Literal["none", "head", "all"] = "none",
-        fp8_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp", "rowwise_forward_only"] = "rowwise",
+        fp8_recipe: Recipe = "rowwise",
     ) -> None:
         """
         Args:
@@ -143,7 +143,7 @@ class DFlashModule(LightningModule):
                 gradient in FP8, `all` also trains the drafter's linear layers in FP8 (over the same master weights).
             fp8_recipe: FP8 scaling of the drafter's linears (torchao's recipe names): `tensorwise`, `rowwise`,
                 `rowwise_with_gw_hp` (the weight-gradient GEMM in bf16), or `rowwise_forward_only` (both backward
-                GEMMs in bf16); the frozen head and target scale per tensor for `tensorwise`, else per row.
+                GEMMs in bf16); the frozen head scales per tensor for `tensorwise`, else per row.
 
         Anchors are drawn from a seed of each batch's place in the data stream (`batch["anchor_seed"]`, from
         `DFlashDataModule`), so a resumed run draws the same anchors as an uninterrupted one.
