@@ -8,6 +8,10 @@ from pathlib import Path
 import torch
 from lightning.pytorch import Callback
 
+# How the tests start their gloo ranks: a rank forked from a pytest process that already ran threads (compiles,
+# background saves) can hang in gloo's teardown (seen on torch 2.7.1 in .ci/run's minimum part) or in backward.
+RANKS_START = "spawn"
+
 
 def packed_batch(doc_lengths: list[int], total: int, vocab: int = 40, seed: int = 0,
                  supervise_from: int = 2) -> dict[str, torch.Tensor]:

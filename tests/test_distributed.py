@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from helpers import packed_batch
+from helpers import RANKS_START, packed_batch
 from test_model import tiny_drafter
 
 from dflash_lightning.blocks import select_anchors, slot_weights
@@ -51,9 +51,7 @@ def test_two_rank_gradient_equals_single_process_global_batch():
     (sums / total).backward()
     expected = drafter.fc.weight.grad
     out = mp.Manager().dict()
-    # spawn: a rank forked from here could not run backward once an earlier test compiled anything (PyTorch's CUDA
-    # wheels then start autograd's device threads, GPU or not: see docs/versions.md)
-    mp.start_processes(_rank, args=(2, 29533, out), nprocs=2, join=True, start_method="spawn")
+    mp.start_processes(_rank, args=(2, 29533, out), nprocs=2, join=True, start_method=RANKS_START)
     torch.testing.assert_close(out[0], expected)
     torch.testing.assert_close(out[1], expected)
 
@@ -76,7 +74,8 @@ def _sharded_rank(rank: int, world: int, port: int, target: str, out: dict) -> N
 def test_sharded_target_gives_each_rank_the_features_of_its_own_batch(tiny_target):
     """placement 'sharded': two ranks hold half the target each and compute the unsharded features."""
     out = mp.Manager().dict()
-    mp.start_processes(_sharded_rank, args=(2, 29534, str(tiny_target), out), nprocs=2, join=True, start_method="fork")
+    mp.start_processes(_sharded_rank, args=(2, 29534, str(tiny_target), out), nprocs=2, join=True,
+                       start_method=RANKS_START)
     full = FeatureExtractor.from_pretrained(str(tiny_target), [1, 3, 5], torch.float32, final_hidden=True)
     total = sum(p.numel() for p in full.parameters())
     for rank in range(2):

@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import yaml
 from conftest import make_target
+from helpers import RANKS_START
 from lightning.pytorch import Callback
 from test_cli import CONFIGS, write_conversations
 
@@ -285,7 +286,7 @@ def _agree(rank: int, port: int, out: dict) -> None:
 
 def test_every_rank_stops_when_one_rank_is_signalled():
     out = mp.Manager().dict()
-    mp.start_processes(_agree, args=(29541, out), nprocs=2, join=True, start_method="fork")
+    mp.start_processes(_agree, args=(29541, out), nprocs=2, join=True, start_method=RANKS_START)
     assert dict(out) == {0: int(signal.SIGTERM), 1: int(signal.SIGTERM)}
 
 
@@ -548,7 +549,8 @@ def two_rank_folder(good_checkpoints, tmp_path_factory) -> Path:
     """A real run's step 4 written as a distributed checkpoint by 2 gloo ranks (a DDP preemption save)."""
     out = tmp_path_factory.mktemp("dcp") / "step=4.ckpt"
     source = str(good_checkpoints / "checkpoints" / "step=4.ckpt")
-    mp.start_processes(_save_on_two_ranks, args=(29543, source, str(out)), nprocs=2, join=True, start_method="fork")
+    mp.start_processes(_save_on_two_ranks, args=(29543, source, str(out)), nprocs=2, join=True,
+                       start_method=RANKS_START)
     return out
 
 
