@@ -23,13 +23,15 @@ MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada, Hopper and later
 def require_fp8(device: torch.device | str, option: str) -> None:
     """Refuse FP8 unless `device` is a CUDA GPU with FP8 tensor cores and torchao is installed."""
     device = torch.device(device)
+    off = "--model.fp8=none" if option.startswith("model.") else "--target.fp8=false"
     if device.type != "cuda":
-        raise ConfigError(f"{option}: FP8 needs a CUDA GPU with FP8 tensor cores (Hopper), this run is on {device}")
+        raise ConfigError(f"{option}: FP8 needs a CUDA GPU with FP8 tensor cores (Hopper), this run is on {device}; "
+                          f"train in bf16 with {off}")
     capability = torch.cuda.get_device_capability(device)
     if capability < MIN_CAPABILITY:
         raise ConfigError(
             f"{option}: FP8 needs compute capability >= 8.9 (Hopper: 9.0), "
-            f"{torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]}"
+            f"{torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]}; train in bf16 with {off}"
         )
     try:
         import torchao  # noqa: F401
