@@ -152,18 +152,18 @@ def test_unused_compute_counts_padding_invalid_anchors_and_unweighted_slots():
 
 def test_fp8_curves_cpu_smoke_learns_from_the_mapped_tiny_target_and_rebuilds_from_its_logs(tmp_path):
     """fp8_curves.py end to end at a small shape: samples conversations from the tiny target, maps its features up,
-    trains one curve per seed, and rebuilds the same summary from the curves' logs."""
+    trains a curve, and rebuilds the same summary from the curves' logs."""
     work, out = tmp_path / "work", tmp_path / "curves.json"
-    cmd = [sys.executable, "benchmarks/fp8_curves.py", "--arms", "bf16-mixed", "--seeds", "0,1", "--steps", "12",
+    cmd = [sys.executable, "benchmarks/fp8_curves.py", "--arms", "bf16-mixed", "--seeds", "0", "--steps", "10",
            "--per-prompt", "1", "--max-new", "8", "--hidden", "256", "--drafter-layers", "1", "--vocab", "8192",
-           "--token-budget", "512", "--anchors", "16", "--max-documents", "32", "--parallel", "2", "--tail", "4",
+           "--token-budget", "512", "--anchors", "16", "--max-documents", "32", "--parallel", "1", "--tail", "4",
            "--work", str(work), "--out", str(out)]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert [r.get("error") for r in report["runs"]] == [None, None], report["runs"]
-    assert all(len(r["loss"]) == 12 and r["held_out"]["val/loss"] > 0 for r in report["runs"])
+    assert [r.get("error") for r in report["runs"]] == [None], report["runs"]
+    assert all(len(r["loss"]) == 10 and r["held_out"]["val/loss"] > 0 for r in report["runs"])
     assert report["data"]["unigram_entropy"] < report["data"]["uniform_entropy"]
     curves = report["runs"][0]["loss"]
     assert sum(curves[-4:]) < sum(curves[:4])  # the mapped features are learnable: the loss falls

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -280,7 +281,7 @@ def _agree(rank: int, port: int, out: dict) -> None:
     callback = Preemption()
     callback._group = dist.group.WORLD
     callback.received = int(signal.SIGTERM) if rank == 1 else 0  # only rank 1 was signalled
-    out[rank] = callback._agreed_signal()
+    out[rank] = callback._agreed(SimpleNamespace(strategy=SimpleNamespace(checkpoint_io=None)))[0]
     dist.destroy_process_group()
 
 
@@ -288,6 +289,42 @@ def test_every_rank_stops_when_one_rank_is_signalled():
     out = mp.Manager().dict()
     mp.start_processes(_agree, args=(29541, out), nprocs=2, join=True, start_method=RANKS_START)
     assert dict(out) == {0: int(signal.SIGTERM), 1: int(signal.SIGTERM)}
+
+
+def _failed_background_write(rank: int, port: int, out: dict) -> None:
+    from dflash_lightning.long_runs.async_save import AsyncAtomicCheckpointIO
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    io = AsyncAtomicCheckpointIO()
+    if rank == 0:  # only rank 0 writes the periodic saves under DDP
+
+        def full_disk() -> None:
+            raise CheckpointError("/ckpt/step=2000.ckpt: checkpoint not written: disk full")
+
+        io.after_writes(full_disk)
+        io._last.result()  # the write has failed by the end of the step
+    callback = Preemption()
+    callback._group = dist.group.WORLD
+    trainer = SimpleNamespace(strategy=SimpleNamespace(checkpoint_io=io))
+    signum, failed = callback._agreed(trainer)  # what every step's end asks
+    try:
+        callback._wait_for_writes_on_every_rank(trainer)
+        out[rank] = (signum, failed, None)
+    except CheckpointError as err:
+        out[rank] = (signum, failed, str(err))
+    dist.destroy_process_group()
+
+
+def test_a_failed_background_write_stops_every_rank_at_the_same_step():
+    """Rank 0's periodic write failed: every rank learns it at the step's end (one all-reduce) and raises its one
+    line, none waits in a later collective (the gradients', the distributed preemption save's) for a rank 0 that
+    is gone."""
+    out = mp.Manager().dict()
+    mp.start_processes(_failed_background_write, args=(29544, out), nprocs=2, join=True, start_method=RANKS_START)
+    line = "/ckpt/step=2000.ckpt: checkpoint not written: disk full"
+    assert dict(out) == {
+        0: (0, True, line), 1: (0, True, f"{line} (a background write of rank 0; this rank stops too)")}
 
 
 # ------------------------------------------------------------------------------------------- 4: atomic saves

@@ -166,6 +166,11 @@ class AsyncAtomicCheckpointIO(AsyncCheckpointIO):
             self._last.result()  # the task keeps its error in self._failure
         self.raise_error()
 
+    @property
+    def failed(self) -> bool:
+        """Whether a background task failed and its error was not raised yet (never waits)."""
+        return self._failure is not None and not self._raised
+
     def raise_error(self) -> None:
         """Raise a background failure on this thread (once); a no-op while none happened."""
         if self._failure is not None and not self._raised:

@@ -28,7 +28,7 @@ from dflash_lightning.long_runs.async_save import (
     innermost,
     wait_for_writes,
 )
-from dflash_lightning.long_runs.checkpointing import _size
+from dflash_lightning.long_runs.checkpointing import CheckpointError, _size
 from dflash_lightning.long_runs.distributed_checkpoint import DistributedSaveDDP
 
 log = logging.getLogger(__name__)
@@ -110,13 +110,16 @@ class Preemption(Callback):
                 signal.signal(sig, handler)
         self._previous.clear()
 
-    def _agreed_signal(self) -> int:
-        """The signal any rank received (the largest number if several), the same on every rank."""
+    def _agreed(self, trainer: Trainer) -> tuple[int, bool]:
+        """The signal any rank received (the largest number if several), and whether any rank's background write
+        failed, the same on every rank: one host-side all-reduce a step."""
+        io = trainer.strategy.checkpoint_io
+        failed = isinstance(io, AsyncAtomicCheckpointIO) and io.failed
         if self._group is None:
-            return self.received
-        flag = torch.tensor([self.received], dtype=torch.int64)
+            return self.received, failed
+        flag = torch.tensor([self.received, int(failed)], dtype=torch.int64)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
-        return int(flag)
+        return int(flag[0]), bool(flag[1])
 
     # ------------------------------------------------------------------------------------ the stop
 
@@ -128,7 +131,9 @@ class Preemption(Callback):
             self._reserve_host_memory(trainer, pl_module)
         if compat.inside_accumulation(trainer):
             return  # inside a gradient accumulation: its gradients are not saved, so stop at the optimizer step
-        signum = self._agreed_signal()
+        signum, failed = self._agreed(trainer)
+        if failed:  # rank 0's periodic write: every rank stops now, none waits for it in a later collective
+            self._wait_for_writes_on_every_rank(trainer)
         if not signum:
             return
         self.received = signum
@@ -153,10 +158,30 @@ class Preemption(Callback):
         for cb in callbacks:
             if compat.saved_step(cb) == trainer.global_step:  # it saved this very step already
                 return cb.last_model_path or compat.saved_path(cb)
-        wait_for_writes(trainer)  # a periodic write in flight first: the disk is this save's, and K + 1 holds
+        self._wait_for_writes_on_every_rank(trainer)  # a periodic write in flight first: the disk is this save's
         strategy = trainer.strategy
         with strategy.distributed_saves() if isinstance(strategy, DistributedSaveDDP) else contextlib.nullcontext():
             return self._save(trainer, callbacks)
+
+    def _wait_for_writes_on_every_rank(self, trainer: Trainer) -> None:
+        """Complete the periodic write in flight (rank 0's); if it failed, every rank raises its one-line error
+        here (before a distributed save, whose collectives would otherwise wait for rank 0 until they time out)."""
+        failure: BaseException | None = None
+        try:
+            wait_for_writes(trainer)
+        except Exception as err:
+            failure = err
+        if self._group is None:
+            if failure is not None:
+                raise failure
+            return
+        lines: list[str | None] = [None] * dist.get_world_size(self._group)
+        dist.all_gather_object(lines, None if failure is None else str(failure), group=self._group)
+        if failure is not None:
+            raise failure
+        line = next((line for line in lines if line is not None), None)
+        if line is not None:
+            raise CheckpointError(f"{line} (a background write of rank {lines.index(line)}; this rank stops too)")
 
     def _save(self, trainer: Trainer, callbacks: list[ModelCheckpoint]) -> str:
         for cb in callbacks:
