@@ -7,7 +7,9 @@
 #                                                  FP8=all:tensorwise adds that FP8 step to each
 #   bash benchmarks/dflash2_h200.sh OUT_DIR fit    the user's `fit --config configs/qwen3-8b{-dflash2,}.yaml` at the
 #                                                  recipe's 3072/512 with a random Qwen3-8B-shaped target;
-#                                                  PROFILE=N profiles N steps after the timed window
+#                                                  PROFILE=N profiles N steps after the timed window;
+#                                                  FIT_ARGS="--model.fp8=none" passes fit arguments (bf16 here:
+#                                                  the configs train the drafter in FP8)
 set -u -o pipefail
 out=${1:?OUT_DIR}; part=${2:?ab|step|fit}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -26,6 +28,6 @@ case $part in
   fit)
     for c in ${CONFIGS:-qwen3-8b-dflash2 qwen3-8b}; do
       python3 benchmarks/fit_bench.py --config configs/$c.yaml --profile ${PROFILE:-0} --out "$out/fit-$c.json" \
-        > "$out/fit-$c.log" 2>&1
+        ${FIT_ARGS:+-- $FIT_ARGS} > "$out/fit-$c.log" 2>&1
     done ;;
 esac
