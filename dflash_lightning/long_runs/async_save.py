@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
@@ -194,6 +195,9 @@ class AsyncAtomicCheckpointIO(AsyncCheckpointIO):
             begin = time.perf_counter()
             self.checkpoint_io.save_checkpoint(snapshot, path, storage_options)
             timing.write_s = time.perf_counter() - begin
+            rank_zero_info(f"checkpoint {path}: written in the background in {timing.write_s:.1f} s; training stalled "
+                     f"{timing.stall_s:.2f} s (waiting {timing.wait_s:.2f} s for the write before, copying "
+                     f"{timing.copy_s:.2f} s to host memory)")
 
         self._queue(write)
 
