@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import shutil
 import signal
@@ -28,6 +29,7 @@ from dflash_lightning.export import ExportError, export_checkpoint, read_drafter
 from dflash_lightning.long_runs.checkpointing import (
     AtomicCheckpointIO,
     CheckpointError,
+    distributed_record,
     load_checkpoint,
     newest_complete_checkpoint,
 )
@@ -635,6 +637,26 @@ def test_a_damaged_shard_of_a_distributed_checkpoint_is_refused_in_one_line_nami
     with pytest.raises(CheckpointError, match=f"^{flipped / '__1_0.distcp'}: damaged"):
         cli_main(["fit", "--config", str(good_checkpoints / "input.yaml"), f"--ckpt_path={flipped}"])
     assert not (tmp_path / "hf").exists()
+
+
+def test_a_resume_from_a_distributed_save_reports_its_write_time_against_the_grace_period(
+        good_checkpoints, two_rank_folder, caplog):
+    """The folder records how long its ranks took; the resumed run says so, and warns past `grace_s` (the estimate
+    after a periodic save assumes one rank writing it all)."""
+    caplog.set_level(logging.INFO)
+    record = distributed_record(two_rank_folder)
+    assert record["ranks"] == 2 and 0 < record["write_s"] < 60
+    line = f"the checkpoint this run resumes from was written by 2 ranks in {record['write_s']:.1f} s"
+    Preemption(grace_s=600)._report_resumed_save(SimpleNamespace(ckpt_path=str(two_rank_folder)))
+    assert f"{line} (within preemption.grace_s=600)" in caplog.text
+    caplog.clear()
+    Preemption(grace_s=1e-6)._report_resumed_save(SimpleNamespace(ckpt_path=str(two_rank_folder)))
+    (warning,) = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert warning.getMessage().startswith(f"preemption.grace_s=1e-06: {line}, longer than the scheduler waits")
+    caplog.clear()
+    Preemption(grace_s=1e-6)._report_resumed_save(SimpleNamespace(ckpt_path=str(good_checkpoints / "checkpoints"
+                                                                                  / "step=4.ckpt")))
+    assert not caplog.records  # a file: its write time is reported after the first save instead
 
 
 def test_automatic_resume_takes_the_newest_of_files_and_folders_past_damaged_and_partial_ones(

@@ -19,7 +19,7 @@ from test_cli import small_config
 
 from dflash_lightning.blocks import anchor_seed
 from dflash_lightning.cli import cli_main
-from dflash_lightning.long_runs.checkpointing import _named_tensors, load_checkpoint
+from dflash_lightning.long_runs.checkpointing import _named_tensors, distributed_record, load_checkpoint
 from dflash_lightning.long_runs.resume import CONTENT, RECORD_KEY, ResumeError, compare
 from dflash_lightning.target_model.fingerprints import TargetChangedError
 
@@ -278,6 +278,7 @@ def test_a_distributed_preemption_checkpoint_resumes_on_another_number_of_ranks(
     shards = sorted(p.stat().st_size for p in folder.glob("*.distcp"))
     ranks = 2 if ddp == "ddp x2" else 1
     assert len(shards) == ranks and shards[0] > 0.4 * sum(shards) / ranks  # each rank wrote about its share
+    assert distributed_record(folder)["ranks"] == ranks and distributed_record(folder)["write_s"] > 0
     state, file = load_checkpoint(folder), load_checkpoint(ckpts[4])
     assert state.keys() == file.keys()
     tensors = dict(_named_tensors({k: state[k] for k in ("state_dict", "optimizer_states")}))

@@ -418,7 +418,7 @@ __all__ = [
 # Distributed checkpoint folders (a DDP run's preemption save, long_runs/distributed_checkpoint.py): reading.
 META = "meta.pt"  # the non-sharded rest, as in Lightning's own sharded (FSDP) checkpoints
 SHARDED = ("state_dict", "optimizer_states")  # replicated on every DDP rank: written once, spread over the ranks
-RECORD_KEY = "dflash_distributed"  # in meta.pt: {"ranks": N, "files": {name: bytes}}; dropped on load
+RECORD_KEY = "dflash_distributed"  # in meta.pt: {"ranks": N, "files": {name: bytes}, "write_s": s}; dropped on load
 _NO_DIST = "torch.distributed is (disabled, )?unavailable or uninitialized"  # DCP's warning for a 1-process load
 
 
@@ -454,9 +454,8 @@ def _failure(err: BaseException) -> BaseException:
     return err
 
 
-def read_distributed(path: Path, weights_only: bool | None = None, tensors: bool = True) -> dict[str, Any]:
-    """The checkpoint dict of a folder, its tensors on the CPU (`tensors=False`: meta-device placeholders, only
-    meta.pt read); a missing, resized or unreadable file is refused in one line naming it."""
+def _read_meta(path: Path, weights_only: bool | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(a folder's meta.pt without its record, the record), refused in one line if either is missing or damaged."""
     meta = path / META
     if not meta.is_file():
         raise CheckpointError(f"{path}: not a complete checkpoint folder (no {META})")
@@ -467,6 +466,18 @@ def read_distributed(path: Path, weights_only: bool | None = None, tensors: bool
     record = header.pop(RECORD_KEY, None) if isinstance(header, dict) else None
     if not isinstance(record, dict):
         raise CheckpointError(f"{path}: not a distributed checkpoint of this project (no {RECORD_KEY} in {META})")
+    return header, record
+
+
+def distributed_record(path: str | Path) -> dict[str, Any]:
+    """How a checkpoint folder was written: ranks, file sizes and (since 2026-12-03) the seconds the write took."""
+    return _read_meta(Path(path), weights_only=False)[1]
+
+
+def read_distributed(path: Path, weights_only: bool | None = None, tensors: bool = True) -> dict[str, Any]:
+    """The checkpoint dict of a folder, its tensors on the CPU (`tensors=False`: meta-device placeholders, only
+    meta.pt read); a missing, resized or unreadable file is refused in one line naming it."""
+    header, record = _read_meta(path, weights_only)
     for name, size in record["files"].items():
         file = path / name
         if not file.is_file():

@@ -135,7 +135,8 @@ def save_distributed(checkpoint: dict[str, Any], path: str | Path, thread_count:
             rest = [(n, t) for n, t in _named_tensors(skeleton) if not t.is_meta]  # rank 0's own, kept in meta.pt
             skeleton[CHECKSUMS_KEY] = sums | checksums_of(rest)
             files = {p.name: p.stat().st_size for p in tmp.iterdir()}
-            torch.save({**skeleton, RECORD_KEY: {"ranks": world, "files": files}}, tmp / META)
+            record = {"ranks": world, "files": files, "write_s": time.perf_counter() - start}  # the shards: done
+            torch.save({**skeleton, RECORD_KEY: record}, tmp / META)
             with (tmp / META).open("rb") as f:
                 os.fsync(f.fileno())
             fsync_dir(tmp)  # the shards were fsynced by their writers

@@ -28,8 +28,8 @@ from dflash_lightning.long_runs.async_save import (
     innermost,
     wait_for_writes,
 )
-from dflash_lightning.long_runs.checkpointing import CheckpointError, _size
-from dflash_lightning.long_runs.distributed_checkpoint import DistributedSaveDDP
+from dflash_lightning.long_runs.checkpointing import CheckpointError, _size, distributed_record
+from dflash_lightning.long_runs.distributed_checkpoint import DistributedSaveDDP, is_distributed_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +101,7 @@ class Preemption(Callback):
         self._reported_write = self._reserved = False
         if trainer.is_global_zero:
             self._report_size(trainer, pl_module)
+            self._report_resumed_save(trainer)
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if not self._reported_write and trainer.is_global_zero:  # a first write completed after the last step
@@ -208,6 +209,24 @@ class Preemption(Callback):
         optimizer = f"{_size(state)} optimizer state" if state >= 0 else "optimizer state of unknown size"
         rank_zero_info(f"checkpoints: about {_size(weights + max(state, 0))} each ({_size(weights)} weights + "
                        f"{optimizer}), written {how}")
+
+    def _report_resumed_save(self, trainer: Trainer) -> None:
+        """Resuming from a distributed preemption save: how long it took on its ranks, and a warning when that
+        outlasts `grace_s` (the estimate after the first periodic save assumes one rank writing everything)."""
+        path = trainer.ckpt_path
+        if not path or not is_distributed_checkpoint(path):
+            return
+        record = distributed_record(path)
+        seconds = record.get("write_s")
+        if seconds is None:  # written before the record held its time
+            return
+        line = f"the checkpoint this run resumes from was written by {record['ranks']} ranks in {seconds:.1f} s"
+        if seconds > self.grace_s:
+            log.warning(f"preemption.grace_s={self.grace_s:g}: {line}, longer than the scheduler waits after its "
+                        "signal: give the job a longer grace period (Kubernetes terminationGracePeriodSeconds, "
+                        "SLURM --signal=USR1@<s>) and set grace_s to it")
+        else:
+            rank_zero_info(f"{line} (within preemption.grace_s={self.grace_s:g})")
 
     def _reserve_host_memory(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """After the first optimizer step (its moments exist now), the background saves' host buffers for the
