@@ -366,13 +366,32 @@ def test_a_kill_during_a_background_write_leaves_the_previous_checkpoints_and_no
 
 def test_a_background_failure_raised_with_another_error_is_logged_not_lost(tmp_path, caplog):
     io = AsyncAtomicCheckpointIO()
-    io.save_checkpoint({"state_dict": {"w": torch.tensor([float("nan")])}, "global_step": 1, "drafter_config": {}},
-                       tmp_path / "x.ckpt")
+    (tmp_path / "a-file").write_text("")
+    io.save_checkpoint({"state_dict": {"w": torch.ones(2)}, "global_step": 1, "drafter_config": {}},
+                       tmp_path / "a-file" / "x.ckpt")  # its folder cannot be made: the write fails
     while io._last is not None and not io._last.done():
         time.sleep(0.01)
     try:
         raise RuntimeError("the error that stops the run")
     except RuntimeError:
         io.teardown()  # as Lightning's teardown in its exception handler
-    assert "a background checkpoint write failed too" in caplog.text and "non-finite weights" in caplog.text
-    assert not list(tmp_path.iterdir())
+    assert "a background checkpoint write failed too" in caplog.text and "a-file" in caplog.text
+    assert [p.name for p in tmp_path.iterdir()] == ["a-file"]
+
+
+def test_a_background_save_checks_and_checksums_where_the_tensors_are_before_copying(tmp_path):
+    """Non-finite weights are refused at the save itself (nothing queued, nothing written); the checksums taken
+    before the copy are the ones the file holds, and they verify on load."""
+    io = AsyncAtomicCheckpointIO()
+    with pytest.raises(CheckpointError, match="refusing to save non-finite weights .*w \\(1\\)"):
+        io.save_checkpoint({"state_dict": {"w": torch.tensor([1.0, float("nan")])}, "global_step": 1},
+                           tmp_path / "nan.ckpt")
+    assert io._last is None and not list(tmp_path.iterdir())
+    state = {"state_dict": {"w": torch.arange(6.0), "v": torch.ones(3, dtype=torch.bfloat16)}, "global_step": 2,
+             "drafter_config": {}}
+    io.save_checkpoint(state, tmp_path / "ok.ckpt")
+    io.wait()
+    saved = torch.load(tmp_path / "ok.ckpt", weights_only=True)
+    assert saved[checkpointing.CHECKSUMS_KEY] == checkpointing.tensor_checksums(state)
+    assert torch.equal(load_checkpoint(tmp_path / "ok.ckpt")["state_dict"]["w"], torch.arange(6.0))
+    io.teardown()

@@ -130,8 +130,12 @@ def nonfinite_weights(state_dict: dict[str, Tensor]) -> dict[str, int]:
     floats = {k: v for k, v in state_dict.items() if isinstance(v, Tensor) and v.is_floating_point() and v.numel()}
     if not floats:
         return {}
-    counts = torch.stack([(~torch.isfinite(v.detach())).sum().to("cpu", torch.int64) for v in floats.values()])
-    return {k: int(n) for k, n in zip(floats, counts.tolist(), strict=True) if n}
+    counts: dict[str, int] = {}
+    for device in {v.device for v in floats.values()}:  # one copy to the host per device
+        names = [k for k, v in floats.items() if v.device == device]
+        found = torch.stack([(~torch.isfinite(floats[k].detach())).sum() for k in names]).tolist()
+        counts |= dict(zip(names, found, strict=True))
+    return {k: int(counts[k]) for k in floats if counts[k]}
 
 
 def _size(n: int) -> str:
@@ -198,10 +202,18 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike, storage_options: Any = None) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} takes no storage_options")
+        self.write(checkpoint, path)
+
+    def write(self, checkpoint: dict[str, Any], path: str | os.PathLike,
+              checksums: dict[str, int] | None = None) -> None:
+        """`save_checkpoint`; `checksums` given: the finite check and the tensors' checksums were taken already (by a
+        background save, on the GPU the tensors were copied from, so that this thread's CPU spends no time on them)."""
         path = Path(path)
-        refuse_nonfinite(path, nonfinite_weights(checkpoint.get("state_dict", {})))
+        if checksums is None:
+            refuse_nonfinite(path, nonfinite_weights(checkpoint.get("state_dict", {})))
+            checksums = tensor_checksums(checkpoint)
         path.parent.mkdir(parents=True, exist_ok=True)
-        checkpoint = {**checkpoint, CHECKSUMS_KEY: tensor_checksums(checkpoint)}
+        checkpoint = {**checkpoint, CHECKSUMS_KEY: checksums}
         written = [0]  # bytes of the partial file when the write stopped, for the error
 
         def save(tmp: Path) -> None:
