@@ -9,7 +9,9 @@ the single file rank 0 writes otherwise, and the load of each.
 
 The state is laid out as the Qwen3-8B recipe's checkpoint: fp32 weights (a third of the bytes) and AdamW's two
 moments, in [4096, 4096] blocks. While each background write runs, the benchmark changes every tensor in place
-(as optimizer steps do) and then checks that the file holds the values of the save's moment. Files are written
+(as optimizer steps do), runs a loop of small tensor ops as the training thread's own CPU work (its rate against
+the same loop with no write: `host_loop_during_write_vs_idle`), and then checks that the file holds the values of
+the save's moment (`--checks`: where the finite check and the checksums run). Files are written
 into --dir (default: a folder beside --out, so on the disk the runs use); it needs about twice the size free.
 """
 
@@ -28,7 +30,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from lightning.fabric.plugins import CheckpointIO
 
+import dflash_lightning.long_runs.async_save as async_save
 from dflash_lightning.long_runs.async_save import AsyncAtomicCheckpointIO
 from dflash_lightning.long_runs.atomic import write_json
 from dflash_lightning.long_runs.checkpointing import AtomicCheckpointIO, checkpoint_bytes, load_checkpoint
@@ -68,6 +72,39 @@ def check_file(path: Path, expected_first: float) -> None:
     got = float(ckpt["state_dict"]["drafter.w0"].flatten()[0])
     if got != expected_first:
         raise SystemExit(f"{path}: holds {got}, the state at the save was {expected_first}: the snapshot is torn")
+
+
+def host_loop_rate(seconds: float) -> float:
+    """Iterations per second of a loop of small tensor ops: the training thread's own CPU work (launching kernels,
+    Python), which a background write must leave alone."""
+    x, n, start = torch.ones(64, 64), 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        y = x
+        for _ in range(20):
+            y = y * 1.0001 + 0.1
+        n += 1
+    return n / (time.perf_counter() - start)
+
+
+class ChecksInWriter(CheckpointIO):
+    """AtomicCheckpointIO behind a plain CheckpointIO: the background writer then takes the finite check and the
+    checksums on its own CPU threads, as before 2026-12-03 (`--checks writer`, for comparison)."""
+
+    def __init__(self) -> None:
+        self.inner = AtomicCheckpointIO()
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
+        self.inner.save_checkpoint(checkpoint, path, storage_options)
+
+    def load_checkpoint(self, path, map_location=None):
+        return self.inner.load_checkpoint(path)
+
+    def remove_checkpoint(self, path) -> None:
+        self.inner.remove_checkpoint(path)
+
+    @property
+    def last_write(self):
+        return self.inner.last_write
 
 
 def synchronize(device: torch.device) -> None:
@@ -134,6 +171,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--no-pin", action="store_true", help="background copies in pageable host memory")
     parser.add_argument("--ranks", type=int, default=0,
                         help="N > 0: the distributed preemption save on N ranks (gloo on the CPU) instead")
+    parser.add_argument("--checks", choices=["auto", "writer", "before-copy"], default="auto",
+                        help="where a background save takes the finite check and checksums: auto (as the project "
+                             "does: before the copy for GPU tensors, in the writer for CPU ones), writer (its CPU "
+                             "threads, as before 2026-12-03), before-copy (on the training thread, CPU tensors too)")
     parser.add_argument("--out", type=Path, required=True, help="JSON result")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -161,7 +202,10 @@ def main(argv: list[str] | None = None) -> dict:
         sync_s = time.perf_counter() - start
         sync_path.unlink()
 
-        io = AsyncAtomicCheckpointIO(pin_memory=not args.no_pin)
+        idle_rate = host_loop_rate(2.0)
+        if args.checks == "before-copy":
+            async_save.on_gpu = lambda state_dict: True  # the GPU tensors' way, for CPU tensors too
+        io = AsyncAtomicCheckpointIO(ChecksInWriter() if args.checks == "writer" else None, pin_memory=not args.no_pin)
         saves = []
         for i in range(args.saves):
             path = folder / f"async-{i % 2}.ckpt"  # two names, as a rotation: a save never overwrites the one in flight
@@ -171,13 +215,18 @@ def main(argv: list[str] | None = None) -> dict:
             stall = time.perf_counter() - start
             train_in_place(ckpt)  # the next steps, during the write
             synchronize(device)
+            rates = []
+            while not io._last.done():  # the training thread's own work while the write runs
+                rates.append(host_loop_rate(0.25))
             io.wait()
             done = time.perf_counter() - start
             timing = io.timings[-1]
             check_file(path, expected)
             saves.append({"stall_s": stall, "wait_s": timing.wait_s, "copy_s": timing.copy_s,
                           "write_s": timing.write_s, "save_to_complete_s": done,
-                          "file_bytes": path.stat().st_size})
+                          "file_bytes": path.stat().st_size,
+                          "host_loop_during_write_vs_idle": {"mean": sum(rates) / len(rates) / idle_rate,
+                                                             "min": min(rates) / idle_rate} if rates else None})
         io.teardown()
     finally:
         shutil.rmtree(folder, ignore_errors=True)
@@ -187,6 +236,8 @@ def main(argv: list[str] | None = None) -> dict:
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
         "torch": torch.__version__, "python": sys.version.split()[0], "dir": str(args.dir or args.out.parent),
         "size_bytes": nbytes, "pin_memory": not args.no_pin, "host_copy_bytes": io.host_copy.nbytes,
+        "checks": args.checks,
+        "torch_threads": torch.get_num_threads(),
         "sync": {"stall_s": sync_s, "write_s": sync_s, "GBps": nbytes / sync_s / 1e9},
         "async": saves,
         "async_stall_s_after_first": max(s["stall_s"] for s in later),

@@ -22,6 +22,7 @@ from lightning.pytorch import Callback
 from test_cli import CONFIGS, write_conversations
 from test_faults import ROOT, fault_config, fit, preempt_twice_then_finish, steps_in
 
+import dflash_lightning.long_runs.async_save as async_save
 import dflash_lightning.long_runs.checkpointing as checkpointing
 from dflash_lightning.long_runs.async_save import AsyncAtomicCheckpointIO, HostCopy, expected_checkpoint_bytes
 from dflash_lightning.long_runs.checkpointing import CheckpointError, load_checkpoint, newest_complete_checkpoint
@@ -379,9 +380,10 @@ def test_a_background_failure_raised_with_another_error_is_logged_not_lost(tmp_p
     assert [p.name for p in tmp_path.iterdir()] == ["a-file"]
 
 
-def test_a_background_save_checks_and_checksums_where_the_tensors_are_before_copying(tmp_path):
-    """Non-finite weights are refused at the save itself (nothing queued, nothing written); the checksums taken
-    before the copy are the ones the file holds, and they verify on load."""
+def test_a_background_save_of_gpu_tensors_checks_and_checksums_them_before_copying(tmp_path, monkeypatch):
+    """GPU tensors (CPU ones standing in): non-finite weights are refused at the save itself (nothing queued,
+    nothing written); the checksums taken before the copy are the ones the file holds, and they verify on load."""
+    monkeypatch.setattr(async_save, "on_gpu", lambda state_dict: True)
     io = AsyncAtomicCheckpointIO()
     with pytest.raises(CheckpointError, match="refusing to save non-finite weights .*w \\(1\\)"):
         io.save_checkpoint({"state_dict": {"w": torch.tensor([1.0, float("nan")])}, "global_step": 1},
