@@ -218,9 +218,9 @@ class AsyncAtomicCheckpointIO(AsyncCheckpointIO):
             else:
                 writer.save_checkpoint(snapshot, path, storage_options)
             timing.write_s = time.perf_counter() - begin
-            rank_zero_info(f"checkpoint {path}: written in the background in {timing.write_s:.1f} s; training stalled "
-                     f"{timing.stall_s:.2f} s (waiting {timing.wait_s:.2f} s for the write before, copying "
-                     f"{timing.copy_s:.2f} s to host memory)")
+            rank_zero_info(f"checkpoint {path}: written in the background in {timing.write_s:.1f} s; training "
+                           f"stalled {timing.stall_s:.2f} s (waiting {timing.wait_s:.2f} s for the write before, "
+                           f"checking and copying {timing.copy_s:.2f} s to host memory)")
 
         self._queue(write)
 
