@@ -8,9 +8,19 @@ from pathlib import Path
 import torch
 from lightning.pytorch import Callback
 
-# How the tests start their gloo ranks: a rank forked from a pytest process that already ran threads (compiles,
-# background saves) can hang in gloo's teardown (seen on torch 2.7.1 in .ci/run's minimum part) or in backward.
+# How the tests start their gloo ranks: a rank forked from a pytest process that already ran threads (compiles)
+# cannot run backward on PyTorch's CUDA wheels (docs/versions.md).
 RANKS_START = "spawn"
+
+
+def end_ranks() -> None:
+    """Leave the process group at the end of a test's rank. The barrier first: on torch 2.7.1, gloo's worker thread
+    frees a finished broadcast (its tensors Python objects, so it needs the GIL) while `destroy_process_group` holds
+    the GIL and joins that thread, a deadlock (seen in .ci/run's minimum part); after a barrier it has been freed."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def packed_batch(doc_lengths: list[int], total: int, vocab: int = 40, seed: int = 0,

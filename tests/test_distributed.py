@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from helpers import RANKS_START, packed_batch
+from helpers import RANKS_START, end_ranks, packed_batch
 from test_model import tiny_drafter
 
 from dflash_lightning.blocks import select_anchors, slot_weights
@@ -35,7 +35,7 @@ def _rank(rank: int, world: int, port: int, out: dict) -> None:
     grad = drafter.fc.weight.grad.clone()
     dist.all_reduce(grad)  # what DDP does: the mean of the ranks' gradients
     out[rank] = grad / world
-    dist.destroy_process_group()
+    end_ranks()
 
 
 def test_two_rank_gradient_equals_single_process_global_batch():
@@ -68,7 +68,7 @@ def _sharded_rank(rank: int, world: int, port: int, target: str, out: dict) -> N
     feats = [extractor.extract(batch["input_ids"], batch["position_ids"]) for _ in range(2)]
     held = sum(p.to_local().numel() for p in extractor.parameters())
     out[rank] = (feats, held)
-    dist.destroy_process_group()
+    end_ranks()
 
 
 def test_sharded_target_gives_each_rank_the_features_of_its_own_batch(tiny_target):

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import yaml
 from conftest import make_target
-from helpers import RANKS_START
+from helpers import RANKS_START, end_ranks
 from lightning.pytorch import Callback
 from test_cli import CONFIGS, write_conversations
 
@@ -284,7 +284,7 @@ def _agree(rank: int, port: int, out: dict) -> None:
     callback._group = dist.group.WORLD
     callback.received = int(signal.SIGTERM) if rank == 1 else 0  # only rank 1 was signalled
     out[rank] = callback._agreed(SimpleNamespace(strategy=SimpleNamespace(checkpoint_io=None)))[0]
-    dist.destroy_process_group()
+    end_ranks()
 
 
 def test_every_rank_stops_when_one_rank_is_signalled():
@@ -315,7 +315,7 @@ def _failed_background_write(rank: int, port: int, out: dict) -> None:
         out[rank] = (signum, failed, None)
     except CheckpointError as err:
         out[rank] = (signum, failed, str(err))
-    dist.destroy_process_group()
+    end_ranks()
 
 
 def test_a_failed_background_write_stops_every_rank_at_the_same_step():
@@ -580,7 +580,7 @@ def _save_on_two_ranks(rank: int, port: int, source: str, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     save_distributed(load_checkpoint(source), out)  # each rank its copy, as under DDP
-    dist.destroy_process_group()
+    end_ranks()
 
 
 @pytest.fixture(scope="module")
