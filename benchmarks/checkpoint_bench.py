@@ -33,7 +33,7 @@ import torch.multiprocessing as mp
 from lightning.fabric.plugins import CheckpointIO
 
 import dflash_lightning.long_runs.async_save as async_save
-from dflash_lightning.long_runs.async_save import AsyncAtomicCheckpointIO
+from dflash_lightning.long_runs.async_save import AsyncAtomicCheckpointIO, on_gpu
 from dflash_lightning.long_runs.atomic import write_json
 from dflash_lightning.long_runs.checkpointing import AtomicCheckpointIO, checkpoint_bytes, load_checkpoint
 from dflash_lightning.long_runs.distributed_checkpoint import save_distributed
@@ -203,8 +203,8 @@ def main(argv: list[str] | None = None) -> dict:
         sync_path.unlink()
 
         idle_rate = host_loop_rate(2.0)
-        if args.checks == "before-copy":
-            async_save.on_gpu = lambda state_dict: True  # the GPU tensors' way, for CPU tensors too
+        if args.checks == "before-copy":  # the GPU tensors' way, for CPU tensors too (put back at the end)
+            async_save.on_gpu = lambda state_dict: True
         io = AsyncAtomicCheckpointIO(ChecksInWriter() if args.checks == "writer" else None, pin_memory=not args.no_pin)
         saves = []
         for i in range(args.saves):
@@ -229,6 +229,7 @@ def main(argv: list[str] | None = None) -> dict:
                                                              "min": min(rates) / idle_rate} if rates else None})
         io.teardown()
     finally:
+        async_save.on_gpu = on_gpu
         shutil.rmtree(folder, ignore_errors=True)
     later = saves[1:] or saves
     result = {

@@ -381,14 +381,18 @@ def test_a_background_failure_raised_with_another_error_is_logged_not_lost(tmp_p
 
 
 def test_a_background_save_of_gpu_tensors_checks_and_checksums_them_before_copying(tmp_path, monkeypatch):
-    """GPU tensors (CPU ones standing in): non-finite weights are refused at the save itself (nothing queued,
-    nothing written); the checksums taken before the copy are the ones the file holds, and they verify on load."""
+    """GPU tensors (CPU ones standing in): non-finite weights are found before the copy and fail the save as a failed
+    write does (nothing copied or written; every rank stops at the step's end); the checksums taken before the copy
+    are the ones the file holds, and they verify on load."""
     monkeypatch.setattr(async_save, "on_gpu", lambda state_dict: True)
     io = AsyncAtomicCheckpointIO()
+    nan = {"state_dict": {"w": torch.tensor([1.0, float("nan")])}, "global_step": 1}
+    io.save_checkpoint(nan, tmp_path / "nan.ckpt")
+    io._last.result()
+    assert io.failed and not io.timings and not io.host_copy.buffers and not list(tmp_path.iterdir())
     with pytest.raises(CheckpointError, match="refusing to save non-finite weights .*w \\(1\\)"):
-        io.save_checkpoint({"state_dict": {"w": torch.tensor([1.0, float("nan")])}, "global_step": 1},
-                           tmp_path / "nan.ckpt")
-    assert io._last is None and not list(tmp_path.iterdir())
+        io.wait()
+    io = AsyncAtomicCheckpointIO()
     state = {"state_dict": {"w": torch.arange(6.0), "v": torch.ones(3, dtype=torch.bfloat16)}, "global_step": 2,
              "drafter_config": {}}
     io.save_checkpoint(state, tmp_path / "ok.ckpt")

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from dflash_lightning.long_runs.checkpointing import (
     AtomicCheckpointIO,
+    CheckpointError,
     checkpoint_bytes,
     nonfinite_weights,
     refuse_nonfinite,
@@ -104,6 +105,10 @@ class HostCopy:
     def nbytes(self) -> int:
         """Host memory held for the copies."""
         return sum(b.numel() for b in self.buffers)
+
+
+def _raise(err: BaseException) -> None:
+    raise err
 
 
 def on_gpu(state_dict: dict[str, Any]) -> bool:
@@ -204,7 +209,13 @@ class AsyncAtomicCheckpointIO(AsyncCheckpointIO):
         if on_gpu(weights) and isinstance(writer, AtomicCheckpointIO) and storage_options is None:
             # on the GPU (milliseconds), not on the writer's CPU threads, whose intra-op threads compete with the
             # training thread for seconds at the recipe's 12.6 GB (CPU tensors: the writer takes them, as before)
-            refuse_nonfinite(Path(path), nonfinite_weights(weights))
+            try:
+                refuse_nonfinite(Path(path), nonfinite_weights(weights))
+            except CheckpointError as err:
+                # a failure of this save like a failed write (nothing is written): under DDP only rank 0 saves,
+                # and a background failure stops every rank at the step's end (Preemption), a raise here only rank 0
+                self._queue(_raise, err)
+                return
             checksums = tensor_checksums(checkpoint)
         snapshot = self.host_copy(checkpoint)
         timing = SaveTiming(str(path), waited - start, time.perf_counter() - waited)
