@@ -6,7 +6,12 @@ then runs `python -m dflash_lightning fit --config CONFIG` with only the target,
 overridden, plus `StepTimer` (this file) as one more callback. Reproduce on an H200 with:
 
     python benchmarks/fit_bench.py --config configs/qwen3-8b-dflash2.yaml --out X.json
-    python benchmarks/fit_bench.py --config configs/qwen3-8b.yaml --out Y.json -- --model.fp8=all
+    python benchmarks/fit_bench.py --config configs/qwen3-8b.yaml --out Y.json -- --model.fp8=none
+
+Saves and preemption, one run: `--save-every 100 --after 80 --sigterm-at 180` times every step after the warm-up
+(CUDA events, no sync), so the steps without a save give the steady step and each save the seconds it cost the
+steps after it (its stall and the background write's share of the CPU); SIGTERM at step 180 times the preemption
+save from the signal to the exit; the fit's own checkpoint lines and the checkpoints' sizes are kept.
 
 Arguments after `--` go to `fit` unchanged.
 """
@@ -14,9 +19,14 @@ Arguments after `--` go to `fit` unchanged.
 from __future__ import annotations
 
 import argparse
+import faulthandler
+import itertools
 import json
 import os
 import random
+import re
+import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -27,20 +37,32 @@ from lightning.pytorch import Callback
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMER_OUT = "FIT_BENCH_TIMER_OUT"  # where StepTimer writes its figures (set by this script for the child)
+TEARDOWN_STACKS = "FIT_BENCH_TEARDOWN_STACKS"  # seconds: after a preemption, print every thread's stack this often
 
 
 class StepTimer(Callback):
     """Seconds per step over steps [warmup, warmup + steps), synchronised at both ends only; peak memory; then, with
-    `profile` > 0, a torch.profiler table of the next `profile` steps (outside the timed window); written as JSON."""
+    `profile` > 0, a torch.profiler table of the next `profile` steps (outside the timed window); written as JSON.
 
-    def __init__(self, warmup: int = 20, steps: int = 60, profile: int = 0) -> None:
-        self.warmup, self.window, self.profile = warmup, steps, profile
+    Also each step's end after the warm-up as a CUDA event (no sync; read at the end of the run, preempted or not),
+    and with `sigterm_at` > 0 a SIGTERM to this process at that step's end (the user's preemption)."""
+
+    def __init__(self, warmup: int = 20, steps: int = 60, profile: int = 0, sigterm_at: int = 0) -> None:
+        self.warmup, self.window, self.profile, self.sigterm_at = warmup, steps, profile, sigterm_at
         self.t0, self.start, self.first_step_s, self.result, self.prof = None, time.perf_counter(), None, None, None
+        self.marks: list = []  # (step, CUDA event or perf_counter seconds) from the warm-up's end on
+        self.extra: dict = {}
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
         if self.first_step_s is None:
             self.first_step_s = time.perf_counter() - self.start
+        if step >= self.warmup:
+            self.marks.append((step, _mark()))
+        if step == self.sigterm_at:
+            self.extra |= {"sigterm_at_step": step, "sigterm_sent_unix": time.time()}
+            self._write()
+            os.kill(os.getpid(), signal.SIGTERM)  # Preemption saves at the next step's end and exits
         if step == self.warmup:
             _sync()
             if torch.cuda.is_available():
@@ -71,8 +93,59 @@ class StepTimer(Callback):
             self.prof = None
             self._write()
 
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._finish()
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        self.extra["exception_unix"] = time.time()  # a preempted run: its save is complete here
+        self._finish()  # its steps still counted
+        if os.environ.get(TEARDOWN_STACKS):  # where the exit spends its time: the stacks every N seconds
+            faulthandler.dump_traceback_later(float(os.environ[TEARDOWN_STACKS]), repeat=True)
+
+    def _finish(self) -> None:
+        _sync()
+        pairs = list(itertools.pairwise(self.marks))
+        self.extra["step_s_each"] = {"first_step": pairs[0][1][0] if pairs else None,
+                                     "seconds": [_elapsed(a, b) for (_, a), (_, b) in pairs]}
+        self._write()
+
     def _write(self) -> None:
-        Path(os.environ[TIMER_OUT]).write_text(json.dumps(self.result))
+        Path(os.environ[TIMER_OUT]).write_text(json.dumps({**(self.result or {}), **self.extra}))
+
+
+def _mark():
+    if torch.cuda.is_available():
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+    return time.perf_counter()
+
+
+def _elapsed(a, b) -> float:
+    return a.elapsed_time(b) / 1e3 if torch.cuda.is_available() else b - a
+
+
+def save_windows(seconds: list[float], first_step: int, every: int, baseline_steps: int) -> dict:
+    """Steps without a save against the steps after each save. `seconds[j]` is step `first_step + j`; a save at
+    step s (a multiple of `every`) runs after step s's end, so it falls in step s + 1. The steady step is the mean
+    of the first `baseline_steps`, which must hold no save; per save, the seconds its window (up to the next save,
+    or the end) took beyond as many steady steps."""
+    last = first_step + len(seconds) - 1
+    saves = [s for s in range(first_step - 1, last) if s % every == 0]
+    if baseline_steps < 1 or any(s + 1 < first_step + baseline_steps for s in saves):
+        raise ValueError(f"the {baseline_steps} steps from {first_step} hold a save (every {every}): no baseline")
+    steady = statistics.fmean(seconds[:baseline_steps])
+    windows = []
+    for i, save in enumerate(saves):
+        stop = saves[i + 1] + 1 if i + 1 < len(saves) else last + 1
+        part = seconds[save + 1 - first_step:stop - first_step]
+        windows.append({"save_step": save, "steps": len(part), "mean_step_s": statistics.fmean(part),
+                        "max_step_s": max(part), "excess_s": sum(part) - steady * len(part)})
+    return {"no_save": {"steps": baseline_steps, "mean_step_s": steady,
+                        "median_step_s": statistics.median(seconds[:baseline_steps])}, "with_save": windows}
+
+
+CHECKPOINT_LINES = re.compile(r"checkpoint|SIGTERM|stalled|reserved|grace_s", re.IGNORECASE)
 
 
 def _activities() -> list:
@@ -83,7 +156,10 @@ def _activities() -> list:
 def profile_summary(prof, steps: int, wall_s: float, top: int = 25) -> dict:
     """Per step: the wall time, the device's busy time (its kernels, summed), the top kernels and the top host ops."""
     events = [e for e in prof.key_averages() if e.key]
-    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]  # not the ops that launch them
+    host = {e.key for e in events if e.device_type != torch.autograd.DeviceType.CUDA}
+    # kernels only: not the ops that launch them, nor the GPU side of a host annotation ("Optimizer.step#AdamW.step"
+    # spans the optimizer's kernels, which are counted already)
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and e.key not in host]
     device = sum(e.self_device_time_total for e in kernels) / 1e6 / steps
 
     def rows(key: str) -> list[dict]:
@@ -137,6 +213,13 @@ def edited_config(config: Path, run: Path, save_every: int, sync_saves: bool) ->
     return out
 
 
+def _bytes(path: Path) -> int:
+    """A checkpoint's size: a file, or a distributed checkpoint's folder; a link counts as 0 (it names another)."""
+    if path.is_symlink():
+        return 0
+    return path.stat().st_size if path.is_file() else sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/qwen3-8b.yaml")
@@ -148,6 +231,9 @@ def main() -> None:
     parser.add_argument("--save-every", type=int, default=0,
                         help="the config's ModelCheckpoint every_n_train_steps (0: as the config says)")
     parser.add_argument("--sync-saves", action="store_true", help="drop the config's background-save plugin")
+    parser.add_argument("--after", type=int, default=0,
+                        help="timed steps after the window (saves and the SIGTERM fall there; 0: none)")
+    parser.add_argument("--sigterm-at", type=int, default=0, help="send SIGTERM at this step's end (0: never)")
     parser.add_argument("--docs", type=int, default=3000, help="synthetic conversations")
     parser.add_argument("--target", type=Path, default=None, help="an existing target folder instead of a random one")
     parser.add_argument("--data", type=Path, default=None, help="its conversations (with --target)")
@@ -165,23 +251,36 @@ def main() -> None:
     command = [
         sys.executable, "-m", "dflash_lightning", "fit", "--config", str(config),
         f"--target.path={target}", f"--data.train_files=[{data}]", f"--data.val_files=[{data}]",
-        f"--trainer.max_steps={args.warmup + args.steps + args.profile + 1}", "--trainer.limit_val_batches=0",
+        f"--trainer.max_steps={args.warmup + args.steps + args.profile + args.after + 1}",
+        "--trainer.limit_val_batches=0",
         "--trainer.callbacks+=" + json.dumps({"class_path": "benchmarks.fit_bench.StepTimer",
                                               "init_args": {"warmup": args.warmup, "steps": args.steps,
-                                                                            "profile": args.profile}}),
+                                                            "profile": args.profile, "sigterm_at": args.sigterm_at}}),
         *args.fit_args,
     ]
     env = {**os.environ, TIMER_OUT: str(timer_out), "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
     t = time.perf_counter()
     proc = subprocess.run(command, cwd=run, env=env, capture_output=True, text=True)
+    exited = time.time()
+    log = proc.stdout + proc.stderr
+    (run / "fit.log").write_text(log)
     result = {"date": time.strftime("%Y-%m-%d"), "config": args.config, "fit_args": args.fit_args,
               "command": "python benchmarks/fit_bench.py " + " ".join(sys.argv[1:]), "exit_code": proc.returncode,
               "wall_s": time.perf_counter() - t, "device": torch.cuda.get_device_name() if torch.cuda.is_available()
-              else "cpu"}
+              else "cpu", "log": str(run / "fit.log")}
     if timer_out.exists():
         result |= json.loads(timer_out.read_text())
-    else:
-        result["log_tail"] = (proc.stdout + proc.stderr)[-4000:]
+    if "step_s" not in result:
+        result["log_tail"] = log[-4000:]
+    if "sigterm_sent_unix" in result:
+        result["signal_to_exit_s"] = exited - result["sigterm_sent_unix"]
+        if "exception_unix" in result:  # the save done and Preempted raised; the rest is Lightning's and Python's exit
+            result["signal_to_saved_s"] = result["exception_unix"] - result["sigterm_sent_unix"]
+    result["checkpoint_lines"] = [line.strip() for line in log.splitlines() if CHECKPOINT_LINES.search(line)][:40]
+    result["checkpoints"] = {str(p.relative_to(run)): _bytes(p) for p in sorted(run.rglob("*.ckpt"))}
+    each, every = result.get("step_s_each"), result.get("save_every_n_train_steps")
+    if each and each["seconds"] and every:
+        result["save_windows"] = save_windows(each["seconds"], each["first_step"], every, args.steps)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result))

@@ -550,6 +550,9 @@ def main() -> None:
     parser.add_argument("--pipeline-fp8", default=None,
                         help="model.fp8:model.fp8_recipe of the FP8 pipeline's drafter; default: the fastest FP8 step")
     parser.add_argument("--pipeline-targets", default="bf16,fp8", help="target precisions of the pipelines")
+    parser.add_argument("--pipeline-pairs", default="matched", choices=("matched", "all"),
+                        help="matched: bf16 drafter with bf16 target, FP8 with FP8; all: every drafter with every "
+                             "target (the GPU configs train an FP8 drafter on a bf16 target)")
     parser.add_argument("--recipe-shape", default="3072,512", help="token budget,anchors of configs/qwen3-8b.yaml")
     parser.add_argument("--mean-tokens", type=float, default=1000, help="mean conversation length (projection)")
     parser.add_argument("--packing-fill", type=float, default=0.95, help="real tokens per budget token (projection)")
@@ -741,7 +744,8 @@ def main() -> None:
                         "weights": "random (Qwen3-8B shape)"})
                 for budget, anchors in shapes:
                     for kind, fp8, recipe in drafter_modes:
-                        if "pipeline_fit" not in skip and (target_kind == "fp8") != (kind == "fp8"):
+                        if ("pipeline_fit" not in skip and args.pipeline_pairs == "matched"
+                                and (target_kind == "fp8") != (kind == "fp8")):
                             continue  # bf16 drafter with bf16 target; FP8 drafter with FP8 target
                         name = f"{budget}/{anchors}[target={target_kind},drafter={kind}]"
                         pipelines[name] = attempt(pipeline, budget, anchors, fp8, recipe, name)

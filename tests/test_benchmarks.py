@@ -172,3 +172,45 @@ def test_fp8_curves_cpu_smoke_learns_from_the_mapped_tiny_target_and_rebuilds_fr
                           env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(rebuilt.read_text())["summary"] == report["summary"]
+
+
+def test_fit_bench_save_windows_put_each_save_in_the_step_after_it():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from fit_bench import save_windows
+    finally:
+        sys.path.pop(0)
+    import pytest
+
+    seconds = [1.0] * 10 + [3.0] + [1.5] * 4 + [1.0] * 15 + [2.0] + [1.0] * 3  # steps 21..54
+    windows = save_windows(seconds, 21, 15, 9)  # saves at 30 and 45
+    assert windows["no_save"]["mean_step_s"] == 1.0
+    assert [(w["save_step"], w["steps"], w["excess_s"]) for w in windows["with_save"]] == [(30, 15, 4.0), (45, 9, 1.0)]
+    windows = save_windows(seconds, 21, 30, 9)
+    assert [(w["save_step"], w["steps"], w["excess_s"]) for w in windows["with_save"]] == [(30, 24, 5.0)]
+    with pytest.raises(ValueError, match="hold a save"):
+        save_windows(seconds, 21, 30, 11)  # steps 21..31: step 31 holds the save of step 30
+
+
+def test_fit_bench_cpu_smoke_times_saves_and_a_preemption_through_the_user_fit(tmp_path):
+    """The GPU config's own fit (background saves, link to last) on the tiny target: a save, then SIGTERM."""
+    out = tmp_path / "fit.json"
+    assets = ROOT / "dflash_lightning/assets/tiny"
+    cmd = [sys.executable, "benchmarks/fit_bench.py", "--config", "configs/qwen3-8b.yaml", "--work", str(tmp_path),
+           "--target", str(assets / "target_model"), "--data", str(assets / "data/train.jsonl"), "--warmup", "2",
+           "--steps", "3", "--after", "6", "--save-every", "6", "--sigterm-at", "9", "--out", str(out), "--",
+           "--trainer.accelerator=cpu", "--trainer.precision=32-true", "--model.fp8=none", "--target.compile=false",
+           "--model.compile=false", "--target.dtype=float32", "--data.token_budget=512", "--data.max_length=512",
+           "--model.num_anchors=32"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2"}
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["exit_code"] == 143 and result["sigterm_at_step"] == 9, result.get("log_tail")
+    assert 0 < result["signal_to_saved_s"] <= result["signal_to_exit_s"]
+    assert result["step_s_each"]["first_step"] == 3 and len(result["step_s_each"]["seconds"]) == 7  # steps 3..9
+    (window,) = result["save_windows"]["with_save"]
+    assert window["save_step"] == 6 and window["steps"] == 3
+    sizes = result["checkpoints"]
+    assert sizes["runs/qwen3-8b/checkpoints/last.ckpt"] == 0 and sizes["runs/qwen3-8b/checkpoints/step=9.ckpt"] > 0
+    assert any("training stalled" in line for line in result["checkpoint_lines"])

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The Qwen3-8B recipe through the user's own `fit` on one H200 (issues 25 and 26), in parts of one device call each:
+#   bash benchmarks/recipe_h200.sh OUT_DIR saves   configs/qwen3-8b.yaml as shipped (FP8 drafter): 80 steps with no
+#                                                  save, a periodic save (every 100 steps) and the steps after it,
+#                                                  SIGTERM at step 190 (the preemption save, signal to exit); then
+#                                                  qwen3-8b-dflash2.yaml and qwen3-8b.yaml in bf16 (--model.fp8=none),
+#                                                  no saves
+#   bash benchmarks/recipe_h200.sh OUT_DIR gap     qwen3-8b.yaml as shipped with no save, PROFILE (6) steps profiled,
+#                                                  then the benchmark's co-located pipeline at the same 3072/512 (bf16
+#                                                  target compiled; bf16 and FP8 tensorwise drafters)
+#   bash benchmarks/recipe_h200.sh OUT_DIR preempt qwen3-8b.yaml as shipped, SIGTERM at step 25: signal to saved and
+#                                                  to exit (FIT_BENCH_TEARDOWN_STACKS=2 prints where the exit waits)
+# Writes OUT_DIR/<name>.json and one log per part. FIT_S caps each fit (300 s).
+set -u -o pipefail
+out=${1:?OUT_DIR}; part=${2:?saves|gap|preempt}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/inductor-recipe}
+fit() {  # name config [fit_bench args] [-- fit args]
+  local name=$1 config=$2; shift 2
+  timeout ${FIT_S:-300} python3 benchmarks/fit_bench.py --config configs/$config.yaml --out "$out/$name.json" "$@" \
+    >> "$out/$part.log" 2>&1 || echo "$name: exit $?" >> "$out/$part.log"
+}
+case $part in
+  saves)
+    fit fit-saves qwen3-8b --warmup 20 --steps 80 --after 100 --save-every 100 --sigterm-at 190
+    fit fit-dflash2 qwen3-8b-dflash2 --warmup 20 --steps 80
+    fit fit-bf16 qwen3-8b --warmup 20 --steps 80 -- --model.fp8=none ;;
+  preempt)
+    fit fit-preempt qwen3-8b --warmup 10 --steps 10 --after 20 --sigterm-at 25 ;;
+  gap)
+    fit fit-fp8 qwen3-8b --warmup 20 --steps 80 --profile ${PROFILE:-6}
+    timeout ${BENCH_S:-280} python3 benchmarks/step_bench.py --skip step,eager,warm,curves,tiny_features,profile \
+      --token-budget 3072 --anchors 512 --doc-tokens ${DOC_TOKENS:-300,3000} --target-compile \
+      --pipeline-targets bf16 --pipeline-pairs all --pipeline-fp8 all:tensorwise --warmup 20 --pipeline-steps 80 \
+      --out "$out/bench-pipelines.json" 2>&1 | grep --line-buffered -v Warning >> "$out/$part.log" ;;
+esac
