@@ -54,12 +54,15 @@ class StepMarker(Callback):
 
 
 class SendSignal(Callback):
-    """Sends a real signal to this process during the step that starts at `at_step`."""
+    """Sends a real signal to this process during the step that starts at `at_step`; keeps the module it ran."""
+
+    module = None  # the last run's LightningModule
 
     def __init__(self, signum: int, at_step: int) -> None:
         self.signum, self.at_step = signum, at_step
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        SendSignal.module = pl_module
         if trainer.global_step == self.at_step:
             os.kill(os.getpid(), self.signum)
 
@@ -185,6 +188,14 @@ def test_sigusr1_and_sigint_save_the_step_and_exit_with_a_retry_code(assets, tmp
     assert stop.value.code == 128 + signum
     assert steps_in(tmp_path / "checkpoints") == {"last.ckpt": 3, "step=2.ckpt": 2, "step=3.ckpt": 3}
     assert signal.getsignal(signum) in (signal.default_int_handler, signal.SIG_DFL)  # handlers restored
+    # a scheduler's signal ends the process: the weights are not copied to the host first (release_for_exit);
+    # Ctrl+C in a notebook keeps the trained module usable
+    module = SendSignal.module
+    weights = [t.numel() for t in [*module.parameters(), *module.buffers()]]
+    weights += [p.grad.numel() for p in module.parameters() if p.grad is not None]
+    assert (sum(weights) == 0) == (signum == signal.SIGUSR1), weights[:4]
+    saved = load_checkpoint(tmp_path / "checkpoints" / "last.ckpt")
+    assert min(t.numel() for t in saved["state_dict"].values()) > 0 and saved["optimizer_states"][0]["state"]
     if signum == signal.SIGINT:  # starting fresh on purpose keeps the old checkpoints aside
         cli = fit(config, "--preemption.resume=never", "--trainer.max_steps=1")
         assert cli.trainer.global_step == 1

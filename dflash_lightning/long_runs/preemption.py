@@ -6,6 +6,7 @@ The restarted command resumes (`resume: auto`, done by the CLI) from the newest 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import signal
@@ -102,6 +103,10 @@ class Preemption(Callback):
         if trainer.is_global_zero:
             self._report_size(trainer, pl_module)
             self._report_resumed_save(trainer)
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        if isinstance(exception, Preempted) and self.received in (signal.SIGTERM, signal.SIGUSR1):
+            release_for_exit(trainer, pl_module)  # a scheduler ends the process; Ctrl+C (a notebook) keeps them
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if not self._reported_write and trainer.is_global_zero:  # a first write completed after the last step
@@ -263,6 +268,18 @@ class Preemption(Callback):
                         + (f" (up to {worst:.0f} s with a periodic save in flight)" if background else "")
                         + ", longer than the scheduler waits after its signal: give the job a longer grace period "
                         "(Kubernetes terminationGracePeriodSeconds, SLURM --signal=USR1@<s>) and set grace_s to it")
+
+
+def release_for_exit(trainer: Trainer, pl_module: LightningModule) -> None:
+    """Drop the optimizer state, gradients and module tensors of a run whose checkpoint is complete and which exits
+    now: Lightning's teardown would copy them to host memory first (10 s of a 30 s grace period at the Qwen3-8B
+    recipe's 12.6 GB, benchmarks/RESULTS.md). Sharded (DTensor) parameters are left as they are."""
+    for optimizer in trainer.optimizers:
+        optimizer.state.clear()
+    for tensor in itertools.chain(pl_module.parameters(), pl_module.buffers()):
+        tensor.grad = None
+        if type(tensor.data) is torch.Tensor:
+            tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
 
 
 def _slurm_requeue() -> None:
