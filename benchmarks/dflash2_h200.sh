@@ -10,6 +10,8 @@
 #                                                  PROFILE=N profiles N steps after the timed window;
 #                                                  FIT_ARGS="--model.fp8=none" passes fit arguments (bf16 here:
 #                                                  the configs train the drafter in FP8)
+#   bash benchmarks/dflash2_h200.sh OUT_DIR fsdp   the tiny default (DFlash2) under FSDP on one GPU: 20 steps, the
+#                                                  same command again to 30 (a resume), then evaluate and export
 set -u -o pipefail
 out=${1:?OUT_DIR}; part=${2:?ab|step|fit}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -30,4 +32,14 @@ case $part in
       python3 benchmarks/fit_bench.py --config configs/$c.yaml --profile ${PROFILE:-0} --out "$out/fit-$c.json" \
         ${FIT_ARGS:+-- $FIT_ARGS} > "$out/fit-$c.log" 2>&1
     done ;;
+  fsdp)
+    dir=/tmp/tiny-fsdp; rm -rf $dir; mkdir -p $dir; ln -s "$PWD/dflash_lightning" "$PWD/configs" $dir/
+    args="--config configs/tiny.yaml --trainer.accelerator=gpu --trainer.devices=1 --trainer.strategy=fsdp"
+    (cd $dir && set -e && python3 -m dflash_lightning fit $args --trainer.max_steps=20 &&
+     python3 -m dflash_lightning fit $args --trainer.max_steps=30 &&
+     python3 -m dflash_lightning evaluate --drafter runs/tiny/checkpoints/last.ckpt --num_prompts 16 \
+       --prompts dflash_lightning/assets/tiny/data/prompts.jsonl --device cuda --dtype float32 --out runs/tiny/eval &&
+     python3 -m dflash_lightning export --checkpoint runs/tiny/checkpoints/last.ckpt --out runs/tiny/exported &&
+     cp runs/tiny/eval/report.json "$out/fsdp-eval.json") > "$out/fsdp.log" 2>&1
+    echo "fsdp: exit $?" >> "$out/fsdp.log" ;;
 esac
