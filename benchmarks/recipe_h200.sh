@@ -17,7 +17,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/inductor-recipe}
 fit() {  # name config [fit_bench args] [-- fit args]
   local name=$1 config=$2; shift 2
-  timeout ${FIT_S:-300} python3 benchmarks/fit_bench.py --config configs/$config.yaml --out "$out/$name.json" "$@" \
+  timeout ${FIT_S:-300} python3 benchmarks/fit_bench.py --config configs/$config.yaml --out "$out/$name.json" --clean "$@" \
     >> "$out/$part.log" 2>&1 || echo "$name: exit $?" >> "$out/$part.log"
 }
 case $part in

@@ -198,7 +198,7 @@ def test_fit_bench_cpu_smoke_times_saves_and_a_preemption_through_the_user_fit(t
     assets = ROOT / "dflash_lightning/assets/tiny"
     cmd = [sys.executable, "benchmarks/fit_bench.py", "--config", "configs/qwen3-8b.yaml", "--work", str(tmp_path),
            "--target", str(assets / "target_model"), "--data", str(assets / "data/train.jsonl"), "--warmup", "2",
-           "--steps", "3", "--after", "6", "--save-every", "6", "--sigterm-at", "9", "--out", str(out), "--",
+           "--steps", "3", "--after", "6", "--save-every", "6", "--sigterm-at", "9", "--clean", "--out", str(out), "--",
            "--trainer.accelerator=cpu", "--trainer.precision=32-true", "--model.fp8=none", "--target.compile=false",
            "--model.compile=false", "--target.dtype=float32", "--data.token_budget=512", "--data.max_length=512",
            "--model.num_anchors=32"]
@@ -214,3 +214,4 @@ def test_fit_bench_cpu_smoke_times_saves_and_a_preemption_through_the_user_fit(t
     sizes = result["checkpoints"]
     assert sizes["runs/qwen3-8b/checkpoints/last.ckpt"] == 0 and sizes["runs/qwen3-8b/checkpoints/step=9.ckpt"] > 0
     assert any("training stalled" in line for line in result["checkpoint_lines"])
+    assert not list(tmp_path.rglob("*.ckpt"))  # --clean: sizes recorded, files gone
