@@ -8,10 +8,11 @@ overridden, plus `StepTimer` (this file) as one more callback. Reproduce on an H
     python benchmarks/fit_bench.py --config configs/qwen3-8b-dflash2.yaml --out X.json
     python benchmarks/fit_bench.py --config configs/qwen3-8b.yaml --out Y.json -- --model.fp8=none
 
-Saves and preemption, one run: `--save-every 100 --after 80 --sigterm-at 180` times every step after the warm-up
-(CUDA events, no sync), so the steps without a save give the steady step and each save the seconds it cost the
-steps after it (its stall and the background write's share of the CPU); SIGTERM at step 180 times the preemption
-save from the signal to the exit; the fit's own checkpoint lines and the checkpoints' sizes are kept.
+Saves and preemption, one run: `--steps 80 --after 100 --save-every 100 --sigterm-at 190` times every step after the
+warm-up (CUDA events, no sync), so the 80 steps without a save give the steady step and the save at step 100 the
+seconds it cost the steps after it (its stall and the background write's share of the CPU); SIGTERM at step 190
+times the preemption save from the signal to the saved checkpoint and to the exit; the fit's own checkpoint lines
+and the checkpoints' sizes are kept (`--clean` then deletes the checkpoints).
 
 Arguments after `--` go to `fit` unchanged.
 """

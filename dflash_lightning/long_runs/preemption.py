@@ -272,8 +272,8 @@ class Preemption(Callback):
 
 def release_for_exit(trainer: Trainer, pl_module: LightningModule) -> None:
     """Drop the optimizer state, gradients and module tensors of a run whose checkpoint is complete and which exits
-    now: Lightning's teardown would copy them to host memory first (10 s of a 30 s grace period at the Qwen3-8B
-    recipe's 12.6 GB, benchmarks/RESULTS.md). Sharded (DTensor) parameters are left as they are."""
+    now: Lightning's teardown would copy them to host memory first (about 8 s of a 30 s grace period at the
+    Qwen3-8B recipe's 12.6 GB, benchmarks/RESULTS.md). Sharded (DTensor) parameters are left as they are."""
     for optimizer in trainer.optimizers:
         optimizer.state.clear()
     for tensor in itertools.chain(pl_module.parameters(), pl_module.buffers()):
