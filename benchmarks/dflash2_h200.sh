@@ -13,7 +13,7 @@
 #   bash benchmarks/dflash2_h200.sh OUT_DIR fsdp   the tiny default (DFlash2) under FSDP on one GPU: 20 steps, the
 #                                                  same command again to 30 (a resume), then evaluate and export
 set -u -o pipefail
-out=${1:?OUT_DIR}; part=${2:?ab|step|fit}
+out=${1:?OUT_DIR}; part=${2:?ab|step|fit|fsdp}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/inductor-dflash2}
 case $part in

@@ -56,13 +56,13 @@ class StepMarker(Callback):
 class SendSignal(Callback):
     """Sends a real signal to this process during the step that starts at `at_step`; keeps the module it ran."""
 
-    module = None  # the last run's LightningModule
+    module = trainer = None  # the last run's LightningModule and Trainer
 
     def __init__(self, signum: int, at_step: int) -> None:
         self.signum, self.at_step = signum, at_step
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        SendSignal.module = pl_module
+        SendSignal.module, SendSignal.trainer = pl_module, trainer
         if trainer.global_step == self.at_step:
             os.kill(os.getpid(), self.signum)
 
@@ -194,6 +194,7 @@ def test_sigusr1_and_sigint_save_the_step_and_exit_with_a_retry_code(assets, tmp
     weights = [t.numel() for t in [*module.parameters(), *module.buffers()]]
     weights += [p.grad.numel() for p in module.parameters() if p.grad is not None]
     assert (sum(weights) == 0) == (signum == signal.SIGUSR1), weights[:4]
+    assert (not SendSignal.trainer.optimizers[0].state) == (signum == signal.SIGUSR1)  # its moments dropped too
     saved = load_checkpoint(tmp_path / "checkpoints" / "last.ckpt")
     assert min(t.numel() for t in saved["state_dict"].values()) > 0 and saved["optimizer_states"][0]["state"]
     if signum == signal.SIGINT:  # starting fresh on purpose keeps the old checkpoints aside
