@@ -12,14 +12,17 @@ under a Lightning Trainer, AdamW with warm-up and cosine decay, the recipe's obj
     python benchmarks/fp8_curves.py --arms bf16-mixed,all:tensorwise,all:rowwise_with_gw_hp \
         --seeds 0,1,2 --steps 800 --parallel 3 --speed benchmarks/results/h200-2026-12-02-step-fp8-recipes.json \
         --out X.json
+    python benchmarks/fp8_curves.py --arms bf16-mixed@2000,all:tensorwise@2000,bf16-mixed,all:rowwise --steps 400 ...
 
 Each (arm, seed) is one process (`--parallel` at a time on the one GPU: their compiles overlap); a seed fixes the
-initial drafter and the order of the rows, the same for every arm, so arms compare pair by pair. Reported per arm:
-the loss curve (every step), the mean training loss over the last `--tail` steps and the held-out loss, tau and
-accuracy after the last step; the gap to bf16-mixed at equal steps (paired by seed) against the spread of the
-bf16 seeds; at equal wall time, from each arm's measured step time (`--speed`, a step_bench JSON: the curves'
-processes share the GPU, so their own times are not the step's). Also the unigram entropy of the sampled tokens:
-the level a drafter reaches from token frequencies alone.
+initial drafter and the order of the rows, the same for every arm, so arms compare pair by pair. An arm written
+`ARM@N` runs N steps instead of `--steps` (its own schedule: warm-up and cosine decay over N), so one call can run
+long curves of some arms and short ones of others; curves compare only with curves of the same length, the longest
+start first. Reported per length and arm: the loss curve (every step), the mean training loss over the last
+`--tail` steps and the held-out loss, tau and accuracy after the last step; the gap to bf16-mixed at equal steps
+(paired by seed) against the spread of the bf16 seeds; at equal wall time, from each arm's measured step time
+(`--speed`, a step_bench JSON: the curves' processes share the GPU, so their own times are not the step's). Also
+the unigram entropy of the sampled tokens: the level a drafter reaches from token frequencies alone.
 """
 
 from __future__ import annotations
@@ -176,6 +179,22 @@ def arm_settings(arm: str) -> dict:
     return {"fp8": mode, "fp8_recipe": recipe}
 
 
+def parse_arms(spec: str, steps: int) -> list[tuple[str, int]]:
+    """`--arms`: `ARM` or `ARM@STEPS` items -> (arm, steps), the longest first; a malformed item fails here."""
+    out = []
+    for item in spec.split(","):
+        arm, _, length = item.partition("@")
+        arm_settings(arm)
+        if length and not (length.isdigit() and int(length) > 0):
+            raise SystemExit(f"--arms: {item!r}: the steps after @ must be a positive whole number")
+        out.append((arm, int(length) if length else steps))
+    return sorted(out, key=lambda a: -a[1])
+
+
+def log_name(arm: str, steps: int, seed: int) -> str:
+    return f"{arm.replace(':', '-')}-{steps}-{seed}.log"
+
+
 def run_one(args: argparse.Namespace) -> dict:
     """One curve: the fit of (`--arm`, `--seed`) over the pool's rows, then the held-out loss and metrics."""
     work = args.work
@@ -207,6 +226,12 @@ def run_one(args: argparse.Namespace) -> dict:
 
 
 def summarise(runs: list[dict], tail: int, speed: dict[str, float]) -> dict:
+    """Per curve length (steps, as a string key): `summarise_length` of the curves of that length."""
+    lengths = sorted({r["steps"] for r in runs if "loss" in r}, reverse=True)
+    return {str(n): summarise_length([r for r in runs if r.get("steps") == n], tail, speed) for n in lengths}
+
+
+def summarise_length(runs: list[dict], tail: int, speed: dict[str, float]) -> dict:
     """Per arm: final loss per seed, held-out figures, the paired gap to bf16-mixed, and the gap at equal wall time."""
     by = {(r["arm"], r["seed"]): r for r in runs if "loss" in r}
     arms = sorted({a for a, _ in by}, key=lambda a: a != "bf16-mixed")
@@ -266,7 +291,8 @@ def speeds(path: Path | None) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--arms", default="bf16-mixed,all:tensorwise,all:rowwise_with_gw_hp")
+    parser.add_argument("--arms", default="bf16-mixed,all:tensorwise,all:rowwise_with_gw_hp",
+                        help="comma list of bf16-mixed or MODE:RECIPE, each optionally @STEPS (else --steps)")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--steps", type=int, default=800)
     parser.add_argument("--token-budget", type=int, default=4096)
@@ -305,8 +331,7 @@ def main() -> None:
             args.out.write_text(json.dumps(report, indent=1))
         print(json.dumps(report["summary"], indent=1))
         return
-    for arm in args.arms.split(","):
-        arm_settings(arm)  # a malformed arm fails here, before any sampling
+    arms = parse_arms(args.arms, args.steps)  # a malformed arm fails here, before any sampling
     args.work.mkdir(parents=True, exist_ok=True)
     write_standin(args.work / "target", args.hidden, args.vocab, QWEN3_8B["num_hidden_layers"])
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -322,10 +347,10 @@ def main() -> None:
     data = {"train_conversations": len(pool["train"]), "held_out_conversations": len(pool["val"]),
             "train_tokens": sum(len(i) for i, _ in pool["train"]),
             "unigram_entropy": unigram_entropy(pool["train"]), "uniform_entropy": math.log(args.vocab)}
-    shared = ["--work", str(args.work), "--steps", str(args.steps), "--token-budget", str(args.token_budget),
+    shared = ["--work", str(args.work), "--token-budget", str(args.token_budget),
               "--anchors", str(args.anchors), "--max-documents", str(args.max_documents), "--lr", str(args.lr),
               "--hidden", str(args.hidden), "--drafter-layers", str(args.drafter_layers), "--vocab", str(args.vocab)]
-    todo = [(a, int(s)) for s in args.seeds.split(",") for a in args.arms.split(",")]
+    todo = [(a, n, int(s)) for a, n in arms for s in args.seeds.split(",")]  # the longest curves first
     runs, running = [], []
     settings = {k: v for k, v in vars(args).items() if k not in ("arm", "seed")}
     report = {"settings": {k: str(v) if isinstance(v, Path) else v for k, v in settings.items()}, "data": data}
@@ -344,24 +369,24 @@ def main() -> None:
             report["not_started"] = [list(t) for t in todo]
             todo = []
         while todo and len(running) < args.parallel:
-            arm, seed = todo.pop(0)
-            cmd = [sys.executable, __file__, "--arm", arm, "--seed", str(seed), *shared]
-            log = open(args.work / f"{arm.replace(':', '-')}-{seed}.log", "w")
-            running.append((arm, seed, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                                        env=os.environ.copy()), log))
+            arm, steps, seed = todo.pop(0)
+            cmd = [sys.executable, __file__, "--arm", arm, "--seed", str(seed), "--steps", str(steps), *shared]
+            log = open(args.work / log_name(arm, steps, seed), "w")
+            running.append((arm, steps, seed, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                                               env=os.environ.copy()), log))
         time.sleep(2)
         for item in list(running):
-            arm, seed, proc, log = item
+            arm, steps, seed, proc, log = item
             if proc.poll() is None:
                 continue
             running.remove(item)
             log.close()
-            text = (args.work / f"{arm.replace(':', '-')}-{seed}.log").read_text()
+            text = (args.work / log_name(arm, steps, seed)).read_text()
             lines = [line for line in text.splitlines() if line.startswith("RESULT ")]
             runs.append(json.loads(lines[-1][7:]) if lines and proc.returncode == 0
-                        else {"arm": arm, "seed": seed, "error": text[-3000:]})
+                        else {"arm": arm, "seed": seed, "steps": steps, "error": text[-3000:]})
             done = runs[-1]
-            print(json.dumps({"arm": arm, "seed": seed, "error": "error" in done,
+            print(json.dumps({"arm": arm, "steps": steps, "seed": seed, "error": "error" in done,
                               "final": mean(done["loss"][-args.tail:]) if "loss" in done else None,
                               "held_out": done.get("held_out")}), flush=True)
             write()

@@ -1,6 +1,6 @@
 """A/B of training recipes on the tiny default: served tau by real speculative decoding, over seeds.
 
-Each run is `fit --config configs/tiny.yaml` with the recipe's `model.*` settings and `--seed_everything=N`,
+Each run is `fit --config configs/tiny.yaml` with the recipe's settings and `--seed_everything=N`,
 then `evaluate` of its last.ckpt on the 74 held-out prompts, as the README's first command does (its counting:
 `tau_pooled` over all steps and `tau_prompt_mean`, docs/method.md section 6):
 
@@ -12,6 +12,10 @@ The DFlash / DFlash2 A/B (issue 24), sampled too, on a GPU (`--device cuda`: fit
 
     python benchmarks/objective_ab.py --recipes dpace-ce,dflash2-dpace-ce --temperatures 0,0.6,1 --device cuda \
         --out benchmarks/results/tiny-dflash2-ab.json
+
+Features from an FP8 target against a bf16 one (issue 26), on a Hopper GPU:
+
+    python benchmarks/objective_ab.py --recipes target-bf16,target-fp8 --device cuda --jobs 6 --threads 2 --out X.json
 """
 
 from __future__ import annotations
@@ -29,26 +33,31 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+# each recipe: config keys, dotted as on the command line, over configs/tiny.yaml
 RECIPES = {
-    "decay-ce": {"objective": "ce", "loss_weights": "decay"},
-    "dpace-ce": {"objective": "ce", "loss_weights": "dpace"},
-    "decay-kl": {"objective": "kl", "loss_weights": "decay"},
-    "dpace-kl": {"objective": "kl", "loss_weights": "dpace"},
-    "dflash2-dpace-ce": {"objective": "ce", "loss_weights": "dpace", "drafter": {"variant": "dflash2"}},
+    "decay-ce": {"model.objective": "ce", "model.loss_weights": "decay"},
+    "dpace-ce": {"model.objective": "ce", "model.loss_weights": "dpace"},
+    "decay-kl": {"model.objective": "kl", "model.loss_weights": "decay"},
+    "dpace-kl": {"model.objective": "kl", "model.loss_weights": "dpace"},
+    "dflash2-dpace-ce": {"model.objective": "ce", "model.loss_weights": "dpace", "model.drafter.variant": "dflash2"},
+    # the features a drafter trains on from a bf16 or an FP8 target (Hopper GPUs), served by the same fp32 target
+    "target-bf16": {"target.dtype": "bfloat16"},
+    "target-fp8": {"target.dtype": "bfloat16", "target.fp8": True},
 }
 PROMPTS = "dflash_lightning/assets/tiny/data/prompts.jsonl"
 
 
 def run_config(base: dict, run_dir: Path, seed: int, settings: dict, device: str = "cpu") -> dict:
-    """The tiny config with the recipe's model settings (merged section by section), the seed, the device, and every
-    output under `run_dir`."""
+    """The tiny config with the recipe's settings (dotted keys), the seed, the device, and every output under
+    `run_dir`."""
     cfg = json.loads(json.dumps(base))  # deep copy
     cfg["seed_everything"] = seed
     for key, value in settings.items():
-        if isinstance(value, dict):
-            cfg["model"].setdefault(key, {}).update(value)
-        else:
-            cfg["model"][key] = value
+        *sections, name = key.split(".")
+        node = cfg
+        for section in sections:
+            node = node.setdefault(section, {})
+        node[name] = value
     trainer = cfg["trainer"]
     trainer["accelerator"] = "gpu" if device == "cuda" else "cpu"
     trainer["default_root_dir"] = str(run_dir)

@@ -10,9 +10,15 @@
 #                                                  target compiled; bf16 and FP8 tensorwise drafters)
 #   bash benchmarks/recipe_h200.sh OUT_DIR preempt qwen3-8b.yaml as shipped, SIGTERM at step 25: signal to saved and
 #                                                  to exit (FIT_BENCH_TEARDOWN_STACKS=2 prints where the exit waits)
+#   bash benchmarks/recipe_h200.sh OUT_DIR target-fp8  qwen3-8b.yaml with --target.fp8=true (the FP8 target beside
+#                                                  the FP8 drafter), no save; BASELINE=1 also as shipped
+#   bash benchmarks/recipe_h200.sh OUT_DIR quality the quality behind the settings (about 20 minutes): the tiny
+#                                                  default trained on bf16 and on FP8 target features, served by the
+#                                                  same target (seeds 0 1 2), beside the FP8 loss curves at the
+#                                                  Qwen3-8B drafter shape (CURVE_ARMS, CURVE_STEPS long / 400 short)
 # Writes OUT_DIR/<name>.json and one log per part. FIT_S caps each fit (300 s).
 set -u -o pipefail
-out=${1:?OUT_DIR}; part=${2:?saves|gap|preempt}
+out=${1:?OUT_DIR}; part=${2:?saves|gap|preempt|target-fp8|quality}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/inductor-recipe}
 fit() {  # name config [fit_bench args] [-- fit args]
@@ -27,6 +33,16 @@ case $part in
     fit fit-bf16 qwen3-8b --warmup 20 --steps 80 -- --model.fp8=none ;;
   preempt)
     fit fit-preempt qwen3-8b --warmup 10 --steps 10 --after 20 --sigterm-at 25 ;;
+  target-fp8)
+    fit fit-target-fp8 qwen3-8b --warmup 20 --steps 80 -- --target.fp8=true
+    [ -n "${BASELINE:-}" ] && fit fit-fp8 qwen3-8b --warmup 20 --steps 80 ;;
+  quality)
+    python3 benchmarks/objective_ab.py --recipes target-bf16,target-fp8 --seeds 0,1,2 --device cuda --jobs 6 \
+      --threads 2 --work /tmp/target-ab --out "$out/tiny-target-fp8-ab.json" > "$out/target-ab.log" 2>&1 &
+    python3 benchmarks/fp8_curves.py --arms "${CURVE_ARMS:-bf16-mixed@${CURVE_STEPS:-1500},all:tensorwise@${CURVE_STEPS:-1500},bf16-mixed,all:rowwise_forward_only}" \
+      --steps 400 --seeds 0,1,2 --parallel 4 --speed benchmarks/results/h200-2026-12-02-step-fp8-recipes.json \
+      --work /tmp/fp8-curves --out "$out/fp8-curves.json" > "$out/curves.log" 2>&1
+    wait ;;
   gap)
     fit fit-fp8 qwen3-8b --warmup 20 --steps 80 --profile ${PROFILE:-6}
     timeout ${BENCH_S:-280} python3 benchmarks/step_bench.py --skip step,eager,warm,curves,tiny_features,profile \

@@ -55,6 +55,11 @@ def test_objective_ab_run_config_moves_every_output_and_sets_the_recipe(tmp_path
     text = yaml.safe_dump(cfg)
     assert "runs/tiny" not in text and text.count(str(tmp_path / "run")) == 4  # root, 2 loggers, checkpoints
     assert base["model"]["objective"] == "ce"  # the base config is left as it was
+    cfg = run_config(base, tmp_path / "run", 0, RECIPES["target-fp8"])
+    assert cfg["target"]["fp8"] is True and cfg["target"]["dtype"] == "bfloat16"
+    assert cfg["target"]["path"] == base["target"]["path"] and "fp8" not in base["target"]
+    cfg = run_config(base, tmp_path / "run", 0, RECIPES["dflash2-dpace-ce"])
+    assert cfg["model"]["drafter"] == {**base["model"]["drafter"], "variant": "dflash2"}
 
 
 def test_step_bench_diagnostics_report_steps_settings_and_where_a_stage_stalled():
@@ -152,20 +157,23 @@ def test_unused_compute_counts_padding_invalid_anchors_and_unweighted_slots():
 
 def test_fp8_curves_cpu_smoke_learns_from_the_mapped_tiny_target_and_rebuilds_from_its_logs(tmp_path):
     """fp8_curves.py end to end at a small shape: samples conversations from the tiny target, maps its features up,
-    trains a curve, and rebuilds the same summary from the curves' logs."""
+    trains a curve of 10 steps (`@10`) and one of `--steps` 6, and rebuilds the same summary from the curves' logs."""
     work, out = tmp_path / "work", tmp_path / "curves.json"
-    cmd = [sys.executable, "benchmarks/fp8_curves.py", "--arms", "bf16-mixed", "--seeds", "0", "--steps", "10",
-           "--per-prompt", "1", "--max-new", "8", "--hidden", "256", "--drafter-layers", "1", "--vocab", "8192",
+    cmd = [sys.executable, "benchmarks/fp8_curves.py", "--arms", "bf16-mixed,bf16-mixed@10", "--seeds", "0",
+           "--steps", "6", "--per-prompt", "1", "--max-new", "8", "--hidden", "256", "--drafter-layers", "1", "--vocab", "8192",
            "--token-budget", "512", "--anchors", "16", "--max-documents", "32", "--parallel", "1", "--tail", "4",
            "--work", str(work), "--out", str(out)]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert [r.get("error") for r in report["runs"]] == [None], report["runs"]
-    assert all(len(r["loss"]) == 10 and r["held_out"]["val/loss"] > 0 for r in report["runs"])
+    assert [r.get("error") for r in report["runs"]] == [None, None], report["runs"]
+    assert sorted(len(r["loss"]) for r in report["runs"]) == [6, 10]
+    assert all(r["held_out"]["val/loss"] > 0 for r in report["runs"])
+    assert list(report["summary"]) == ["10", "6"]  # one summary per curve length, the longest first
+    assert set(report["summary"]["10"]["arms"]) == {"bf16-mixed"}
     assert report["data"]["unigram_entropy"] < report["data"]["uniform_entropy"]
-    curves = report["runs"][0]["loss"]
+    curves = next(r["loss"] for r in report["runs"] if r["steps"] == 10)
     assert sum(curves[-4:]) < sum(curves[:4])  # the mapped features are learnable: the loss falls
     rebuilt = tmp_path / "rebuilt.json"
     done = subprocess.run([*cmd[:2], "--from-logs", str(work), "--tail", "4", "--out", str(rebuilt)], cwd=ROOT,
