@@ -160,7 +160,8 @@ def test_fp8_curves_cpu_smoke_learns_from_the_mapped_tiny_target_and_rebuilds_fr
     trains a curve of 10 steps (`@10`) and one of `--steps` 6, and rebuilds the same summary from the curves' logs."""
     work, out = tmp_path / "work", tmp_path / "curves.json"
     cmd = [sys.executable, "benchmarks/fp8_curves.py", "--arms", "bf16-mixed,bf16-mixed@10", "--seeds", "0",
-           "--steps", "6", "--per-prompt", "1", "--max-new", "8", "--hidden", "256", "--drafter-layers", "1", "--vocab", "8192",
+           "--steps", "6", "--per-prompt", "1", "--max-new", "8", "--hidden", "256", "--drafter-layers", "1",
+           "--vocab", "8192",
            "--token-budget", "512", "--anchors", "16", "--max-documents", "32", "--parallel", "1", "--tail", "4",
            "--work", str(work), "--out", str(out)]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
