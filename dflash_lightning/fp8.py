@@ -20,10 +20,11 @@ AMAX_FLOOR = 1e-12  # all-zero rows (unsupervised slots' gradients) would get sc
 MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada, Hopper and later
 
 
-def require_fp8(device: torch.device | str, option: str) -> None:
-    """Refuse FP8 unless `device` is a CUDA GPU with FP8 tensor cores and torchao is installed."""
+def require_fp8(device: torch.device | str, option: str, off: str | None = None) -> None:
+    """Refuse FP8 unless `device` is a CUDA GPU with FP8 tensor cores and torchao is installed; `off`: the flags
+    that turn it off, as the refusal names them (default: `option`'s own)."""
     device = torch.device(device)
-    off = "--model.fp8=none" if option.startswith("model.") else "--target.fp8=false"
+    off = off or ("--model.fp8=none" if option.startswith("model.") else "--target.fp8=false")
     if device.type != "cuda":
         raise ConfigError(f"{option}: FP8 needs a CUDA GPU with FP8 tensor cores (Hopper), this run is on {device}; "
                           f"train in bf16 with {off}")

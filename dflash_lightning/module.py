@@ -214,16 +214,17 @@ class DFlashModule(LightningModule):
                 os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(hp.compile_cache_dir).resolve())
             self.drafter.compile_blocks(hp.compile_mode)
 
-    def check_device(self, device: torch.device, precision: str | None = None) -> None:
+    def check_device(self, device: torch.device, precision: str | None = None, off: str | None = None) -> None:
         """Refuse settings the device or precision cannot run (FP8 off Hopper-class GPUs or outside bf16), before any
-        target is loaded: `precision` is the Trainer's, given where the module is not attached to it yet."""
+        target is loaded: `precision` is the Trainer's, given where the module is not attached to it yet; `off`: the
+        flags a refusal names (the target's too, where it runs in FP8)."""
         if self.hparams.fp8 == "none":
             return
         if precision is None:
             precision = getattr(getattr(compat.attached_trainer(self), "precision_plugin", None), "precision", None)
         if precision not in (None, "bf16-mixed", "bf16-true"):  # FP8 matmuls return bf16
             raise ConfigError(f"model.fp8={self.hparams.fp8} needs trainer.precision bf16-mixed, not {precision}")
-        require_fp8(device, f"model.fp8={self.hparams.fp8}")
+        require_fp8(device, f"model.fp8={self.hparams.fp8}", off)
 
     def _autocast_dtype(self) -> torch.dtype | None:
         """bf16 (or fp16) where the Trainer computes under autocast over fp32 weights, else None."""

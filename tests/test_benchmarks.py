@@ -208,7 +208,8 @@ def test_fit_bench_cpu_smoke_times_saves_and_a_preemption_through_the_user_fit(t
     cmd = [sys.executable, "benchmarks/fit_bench.py", "--config", "configs/qwen3-8b.yaml", "--work", str(tmp_path),
            "--target", str(assets / "target_model"), "--data", str(assets / "data/train.jsonl"), "--warmup", "2",
            "--steps", "3", "--after", "6", "--save-every", "6", "--sigterm-at", "9", "--clean", "--out", str(out), "--",
-           "--trainer.accelerator=cpu", "--trainer.precision=32-true", "--model.fp8=none", "--target.compile=false",
+           "--trainer.accelerator=cpu", "--trainer.precision=32-true", "--model.fp8=none", "--target.fp8=false",
+           "--target.compile=false",
            "--model.compile=false", "--target.dtype=float32", "--data.token_budget=512", "--data.max_length=512",
            "--model.num_anchors=32"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2"}

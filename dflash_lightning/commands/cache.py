@@ -44,7 +44,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     target = cli.config_init["target"]
     if target.fp8:  # fit refuses FP8 target features from a cache; writing bf16-target ones would ignore the setting
         raise ConfigError("target.fp8: the cache stores the features of the target in target.dtype, and fit does not "
-                          "take FP8 target features from a cache; drop target.fp8 to write it")
+                          "take FP8 target features from a cache; add --target.fp8=false to write it")
     drafter = module.drafter_config
     if config.verify:
         cache = FeatureCache(config.out)

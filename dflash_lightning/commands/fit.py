@@ -131,8 +131,12 @@ class DFlashCLI(TypedSettingsCLI):
         self.trainer.fit(model, ckpt_path=ckpt_path, **kwargs)
 
     def before_fit(self) -> None:
-        """Refuse what the device cannot run (FP8 off Hopper-class GPUs) before the target is loaded."""
-        self.model.check_device(self.trainer.strategy.root_device, self.trainer.precision_plugin.precision)
+        """Refuse what the device cannot run (FP8 off Hopper-class GPUs) before the target is loaded; the refusal names
+        every flag to turn FP8 off, the target's too where it runs in FP8 (the GPU configs)."""
+        target = next((c for c in self.trainer.callbacks if isinstance(c, TargetFeatures)), None)
+        fp8_target = target is not None and target.fp8 and not target.feature_cache
+        off = "--model.fp8=none --target.fp8=false" if fp8_target else None
+        self.model.check_device(self.trainer.strategy.root_device, self.trainer.precision_plugin.precision, off)
 
     before_validate = before_fit
 

@@ -75,13 +75,14 @@ class TargetFeatures(Callback):
         if fp8 and dtype != "bfloat16":
             raise ConfigError(f"target.fp8: needs target.dtype bfloat16 (FP8 matmuls return bf16), not {dtype}")
         if fp8 and placement == "sharded":
-            raise ConfigError("target.fp8: not with placement 'sharded' (FP8 weights are not sharded); use colocated")
+            raise ConfigError("target.fp8: not with placement 'sharded' (FP8 weights are not sharded); use colocated, "
+                              "or add --target.fp8=false")
         if compile and placement == "sharded":
             raise ConfigError("target.compile: not with placement 'sharded' (its layers gather their weights "
                               "through FSDP hooks); use colocated or separate, or drop target.compile")
         if feature_cache and fp8:  # the cache's features came from the target it was written with
             raise ConfigError(f"target.fp8: data.feature_cache {feature_cache} serves stored features, no target "
-                              "runs; drop target.fp8 (FP8 target features are not cached)")
+                              "runs; add --target.fp8=false (FP8 target features are not cached)")
         self.path, self.dtype, self.placement, self.attn_implementation = path, dtype, placement, attn_implementation
         self.target_devices, self.prefetch, self.fp8 = list(target_devices or []), prefetch, fp8
         self.compile = compile
