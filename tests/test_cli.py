@@ -78,6 +78,15 @@ def test_fit_runs_through_the_cli_and_logs(run_config):
     assert ckpt.exists()
 
 
+def test_no_progress_bar_leaves_out_the_configs_bar(run_config):
+    """`--trainer.enable_progress_bar=false` (a cluster's log) on a config naming RichProgressBar trains, barless."""
+    assert "RichProgressBar" in run_config.read_text()
+    cli = cli_main(["fit", "--config", str(run_config), "--trainer.enable_progress_bar=false",
+                    "--trainer.max_steps=1", "--preemption.resume=never"])
+    assert cli.trainer.global_step == 1 and cli.trainer.progress_bar_callback is None
+    assert not any("ProgressBar" in type(c).__name__ for c in cli.trainer.callbacks)
+
+
 def test_validate_from_checkpoint(run_config):
     cli_main(["fit", "--config", str(run_config), "--trainer.max_steps=2"])
     ckpt = sorted(run_config.parent.rglob("*.ckpt"))[-1]

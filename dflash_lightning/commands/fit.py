@@ -7,6 +7,7 @@ and whether the objective distills.
 
 from __future__ import annotations
 
+import importlib
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import Any
 import torch
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.strategies import DDPStrategy
 
@@ -70,6 +71,18 @@ class DFlashCLI(TypedSettingsCLI):
             parser.link_arguments("model", key, compute_fn=_layer_ids, apply_on="instantiate")
         for key in ("data.final_hidden", "target.final_hidden"):
             parser.link_arguments("model", key, compute_fn=_distills, apply_on="instantiate")
+
+    def before_instantiate_classes(self) -> None:
+        """`--trainer.enable_progress_bar=false` leaves out the config's progress bar (every shipped config names
+        one), where Lightning would refuse the pair: a cluster's log gets no bar, as asked."""
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        callbacks = config.trainer.get("callbacks")
+        if config.trainer.get("enable_progress_bar") is not False or not isinstance(callbacks, list):
+            return
+        kept = [c for c in callbacks if not _is_progress_bar(c)]
+        if len(kept) < len(callbacks):
+            log.warning("trainer.enable_progress_bar=false: the config's progress bar callback is left out")
+            config.trainer.callbacks = kept
 
     # ---------------------------------------------------------------- checkpoints and the automatic resume
 
@@ -139,6 +152,19 @@ class DFlashCLI(TypedSettingsCLI):
         self.model.check_device(self.trainer.strategy.root_device, self.trainer.precision_plugin.precision, off)
 
     before_validate = before_fit
+
+
+def _is_progress_bar(callback: Any) -> bool:
+    """Whether a config's callback entry (`class_path`, or an instance) is one of Lightning's progress bars."""
+    if isinstance(callback, ProgressBar):
+        return True
+    path = getattr(callback, "class_path", None) or ""
+    module, _, name = path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name) if module else None
+    except ImportError:
+        return False
+    return isinstance(cls, type) and issubclass(cls, ProgressBar)
 
 
 def _layer_ids(model: DFlashModule) -> list[int]:
