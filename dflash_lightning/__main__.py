@@ -1,7 +1,8 @@
 """`python -m dflash_lightning ...`: the project's errors in one line (`DFLASH_TRACEBACK=1`: the full traceback).
 
 Exit status: 2 for a bad setting or input (ConfigError, DataError, FeatureCacheError, other ValueErrors of the
-argument checks), 1 for a run that failed (a damaged or unwritable checkpoint, non-finite training, a server).
+argument checks, Lightning's MisconfigurationException), 1 for a run that failed (a damaged or unwritable checkpoint,
+non-finite training, a server).
 """
 
 import logging
@@ -13,6 +14,8 @@ import torch
 if not torch.cuda.is_available():  # torchao (imported by transformers) logs CUDA kernels it cannot load on a CPU
     logging.getLogger("torchao").setLevel(logging.ERROR)
     logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
+
+from lightning.fabric.utilities.exceptions import MisconfigurationException  # noqa: E402
 
 from dflash_lightning.cli import cli_main  # noqa: E402
 from dflash_lightning.long_runs.checkpointing import CheckpointError  # noqa: E402
@@ -27,10 +30,11 @@ def main() -> None:
     """`cli_main()`, with the project's errors as one `error: ...` line and an exit status."""
     try:
         cli_main()
-    except (*FAILED_RUN, ValueError, FileNotFoundError) as err:  # a missing file named in the setting: 2
+    except (*FAILED_RUN, ValueError, FileNotFoundError, MisconfigurationException) as err:  # a missing file: 2
         if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
             raise
-        print(f"error: {err} ({TRACEBACK_ENV}=1: the full traceback)", file=sys.stderr)
+        where = "trainer settings (Lightning): " if isinstance(err, MisconfigurationException) else ""
+        print(f"error: {where}{err} ({TRACEBACK_ENV}=1: the full traceback)", file=sys.stderr)
         sys.exit(1 if isinstance(err, FAILED_RUN) else 2)
 
 

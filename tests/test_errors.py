@@ -47,6 +47,16 @@ def test_fit_refuses_a_bad_setting_in_one_line_without_the_lightningcli_warning(
     assert not any(n in out.stderr for n in NOISE), out.stderr[-2000:]
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a GPU run needs a machine without one")
+def test_a_trainer_setting_lightning_refuses_is_one_line_and_exit_2(assets, tmp_path):  # noqa: F811
+    """A GPU config on a CPU machine: Lightning's MisconfigurationException, as a bad setting, not a traceback."""
+    out = run("fit", "--config", str(fault_config(assets, tmp_path)), "--trainer.accelerator=gpu")
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert lines[-1].startswith("error: trainer settings (Lightning): ") and "gpu" in lines[-1].lower(), lines[-1]
+    assert not any(n in out.stderr for n in NOISE), out.stderr[-2000:]
+
+
 def test_an_unwritable_checkpoint_folder_is_refused_before_the_first_step(assets, tmp_path):  # noqa: F811
     blocker = tmp_path / "a-file"
     blocker.write_text("")
