@@ -8,8 +8,8 @@
 #   bash benchmarks/dflash2_h200.sh OUT_DIR fit    the user's `fit --config configs/qwen3-8b{-dflash2,}.yaml` at the
 #                                                  recipe's 3072/512 with a random Qwen3-8B-shaped target;
 #                                                  PROFILE=N profiles N steps after the timed window;
-#                                                  FIT_ARGS="--model.fp8=none" passes fit arguments (bf16 here:
-#                                                  the configs train the drafter in FP8)
+#                                                  FIT_ARGS="--model.fp8=none --target.fp8=false" passes fit
+#                                                  arguments (bf16 here: the configs run drafter and target in FP8)
 #   bash benchmarks/dflash2_h200.sh OUT_DIR fsdp   the tiny default (DFlash2) under FSDP on one GPU: 20 steps, the
 #                                                  same command again to 30 (a resume), then evaluate and export
 set -u -o pipefail

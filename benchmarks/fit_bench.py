@@ -6,7 +6,7 @@ then runs `python -m dflash_lightning fit --config CONFIG` with only the target,
 overridden, plus `StepTimer` (this file) as one more callback. Reproduce on an H200 with:
 
     python benchmarks/fit_bench.py --config configs/qwen3-8b-dflash2.yaml --out X.json
-    python benchmarks/fit_bench.py --config configs/qwen3-8b.yaml --out Y.json -- --model.fp8=none
+    python benchmarks/fit_bench.py --config configs/qwen3-8b.yaml --out Y.json -- --model.fp8=none --target.fp8=false
 
 Saves and preemption, one run: `--steps 80 --after 100 --save-every 100 --sigterm-at 190` times every step after the
 warm-up (CUDA events, no sync), so the 80 steps without a save give the steady step and the save at step 100 the
