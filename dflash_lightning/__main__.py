@@ -30,7 +30,7 @@ def main() -> None:
     """`cli_main()`, with the project's errors as one `error: ...` line and an exit status."""
     try:
         cli_main()
-    except (*FAILED_RUN, ValueError, FileNotFoundError, MisconfigurationException) as err:  # a missing file: 2
+    except (*FAILED_RUN, ValueError, FileNotFoundError, MisconfigurationException) as err:  # 2 but FAILED_RUN
         if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
             raise
         where = "trainer settings (Lightning): " if isinstance(err, MisconfigurationException) else ""
