@@ -161,9 +161,8 @@ def test_fp8_curves_cpu_smoke_learns_from_the_mapped_tiny_target_and_rebuilds_fr
     work, out = tmp_path / "work", tmp_path / "curves.json"
     cmd = [sys.executable, "benchmarks/fp8_curves.py", "--arms", "bf16-mixed,bf16-mixed@10", "--seeds", "0",
            "--steps", "6", "--per-prompt", "1", "--max-new", "8", "--hidden", "256", "--drafter-layers", "1",
-           "--vocab", "8192",
-           "--token-budget", "512", "--anchors", "16", "--max-documents", "32", "--parallel", "1", "--tail", "4",
-           "--work", str(work), "--out", str(out)]
+           "--vocab", "8192", "--token-budget", "512", "--anchors", "16", "--max-documents", "32", "--parallel", "1",
+           "--tail", "4", "--work", str(work), "--out", str(out)]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -209,9 +208,8 @@ def test_fit_bench_cpu_smoke_times_saves_and_a_preemption_through_the_user_fit(t
            "--target", str(assets / "target_model"), "--data", str(assets / "data/train.jsonl"), "--warmup", "2",
            "--steps", "3", "--after", "6", "--save-every", "6", "--sigterm-at", "9", "--clean", "--out", str(out), "--",
            "--trainer.accelerator=cpu", "--trainer.precision=32-true", "--model.fp8=none", "--target.fp8=false",
-           "--target.compile=false",
-           "--model.compile=false", "--target.dtype=float32", "--data.token_budget=512", "--data.max_length=512",
-           "--model.num_anchors=32"]
+           "--target.compile=false", "--model.compile=false", "--target.dtype=float32", "--data.token_budget=512",
+           "--data.max_length=512", "--model.num_anchors=32"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2"}
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stderr[-3000:]
