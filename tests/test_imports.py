@@ -5,6 +5,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 import dflash_lightning
 
 ROOT = Path(dflash_lightning.__file__).parent
@@ -79,24 +81,10 @@ def test_no_import_cycle_in_the_package():
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
-def test_old_module_names_import_the_moved_module_once_with_a_warning():
-    """0.1's flat names still import, as the very module at the new name (classes identical), and warn."""
+def test_the_unreleased_old_names_do_not_import():
+    """0.1's flat names were never released: no alias keeps them importable."""
     import importlib
-    import sys
-    import warnings
 
-    from dflash_lightning._moved import MOVED
-
-    for old, new in MOVED.items():
-        sys.modules.pop(old, None)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            alias = importlib.import_module(old)
-        assert alias is importlib.import_module(new), old
-        assert alias.__spec__.name == new and any(new in str(w.message) for w in caught), old
-        assert not (ROOT.parent / Path(*old.split("."))).with_suffix(".py").exists(), f"{old} is still a file"
-    from dflash_lightning.target.callback import TargetFeatures
-
-    from dflash_lightning.target_model.callback import TargetFeatures as Current
-
-    assert TargetFeatures is Current
+    for old in ("dflash_lightning.speculative", "dflash_lightning.target"):
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(old)
