@@ -452,6 +452,7 @@ class DFlashModule(LightningModule):
         resume.check_resume(saved, self.run_record(), path, fitting, self.hparams.accept_target_change)
         resume.check_weights(checkpoint, self.state_dict(), self.drafter_config.to_dict(), path)
         if fitting and saved is not None:
+            resume.check_step_boundary(checkpoint, path)
             old_world = saved.get("trainer.world_size", trainer.world_size)
             resume.rescale_loop_progress(checkpoint, old_world, trainer.world_size)
         self._resumed = fitting

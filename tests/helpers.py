@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import signal
 from pathlib import Path
 
 import torch
@@ -55,6 +58,38 @@ class RecordRows(Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         with open(f"{self.out}/rank{trainer.global_rank}.txt", "a") as f:
             f.write(f"{trainer.current_epoch} {int(batch['anchor_seed'])} {trainer.global_step}\n")
+
+
+class RecordWeights(Callback):
+    """Appends `global_step sha256-of-every-weight's-bytes` after each optimizer step to `out/weights.txt`."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        from dflash_lightning import lightning_compat as compat
+
+        if compat.inside_accumulation(trainer):
+            return
+        digest = hashlib.sha256()
+        for name, tensor in sorted(pl_module.state_dict().items()):
+            digest.update(name.encode() + tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        with open(f"{self.out}/weights.txt", "a") as f:
+            f.write(f"{trainer.global_step} {digest.hexdigest()}\n")
+
+
+class KillAt(Callback):
+    """SIGKILLs its own process at the start of the `nth` batch trained while `global_step == at_step` (n = 2: one
+    micro-batch of step at_step + 1 trained, under gradient accumulation): a crash with no save and no teardown."""
+
+    def __init__(self, at_step: int, nth: int = 2) -> None:
+        self.at_step, self.nth, self.seen = at_step, nth, 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.at_step:
+            self.seen += 1
+            if self.seen == self.nth:
+                os.kill(os.getpid(), signal.SIGKILL)
 
 
 def user(text: str) -> dict:

@@ -133,6 +133,9 @@ def test_run_checkpoint_override_is_reached():
     for hook in ("on_train_batch_end", "on_train_epoch_end", "on_validation_end"):
         calls(ModelCheckpoint, hook, "self._save_last_checkpoint(")
     calls(ModelCheckpoint, "_save_last_checkpoint", "self._save_checkpoint(")
+    # ... and `_should_skip_saving_checkpoint` (no save inside a gradient accumulation): every hook that saves asks it
+    for hook in ("on_train_batch_end", "on_train_epoch_end", "on_validation_end"):
+        calls(ModelCheckpoint, hook, "self._should_skip_saving_checkpoint(")
 
 
 def test_save_now_writes_a_step_file_and_last(tmp_path):

@@ -315,3 +315,90 @@ def test_fields_unknown_now_are_not_compared():
     # a setting the lists do not name (one added later, say) is refused; validate checks the weights' fields only
     assert compare({"model.loss": "ce"}, {"model.loss": "kl"}) == (["model.loss: 'ce' -> 'kl'"], [])
     assert compare({"model.loss": "ce"}, {"model.loss": "kl"}, weights_only=True) == ([], ["model.loss: 'ce' -> 'kl'"])
+
+
+def fit_process(config: Path, run: Path, out: Path, *args: str) -> int:
+    """`python -m dflash_lightning fit` in a fresh process as a user starts it, recording each batch's rows and each
+    optimizer step's weights into `out`; returns its exit status."""
+    out.mkdir(parents=True, exist_ok=True)
+    record = [f"--trainer.callbacks+={json.dumps({'class_path': f'helpers.{cls}', 'init_args': {'out': str(out)}})}"
+              for cls in ("RecordRows", "RecordWeights")]
+    tests = Path(__file__).parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests.parent), str(tests)]), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "dflash_lightning", *fit_args(config, run, *record, *args)],
+                          cwd=tests.parent, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode in (0, -signal.SIGKILL), done.stderr[-3000:]
+    return done.returncode
+
+
+def steps_of(out: Path) -> tuple[dict[int, list[tuple[int, int]]], dict[int, str]]:
+    """(step -> the rows trained in it, step -> digest of the weights after it) recorded by one process."""
+    rows = rows_by_step(out)
+    weights = dict(line.split() for line in (out / "weights.txt").read_text().splitlines())
+    return rows, {int(step): digest for step, digest in weights.items()}
+
+
+def kill_at(step: int) -> str:
+    return "--trainer.callbacks+=" + json.dumps({"class_path": "helpers.KillAt", "init_args": {"at_step": step}})
+
+
+@pytest.mark.parametrize("accumulate", [2, 4])
+def test_sigkills_between_saves_under_gradient_accumulation_resume_exactly(preempt_config, tmp_path, accumulate):
+    """The GPU configs' checkpoints (every 3 steps, keep 2, `last` a link) under gradient accumulation, SIGKILLed
+    inside step 5 (after the step-3 save), resumed by the same command, SIGKILLed inside step 6 (before the step-6
+    save), resumed again: every step trains the rows of the uninterrupted run and ends with its weights, bitwise.
+    Only optimizer-step boundaries are saved: a save after the resume's first micro-batch (Lightning's
+    every_n_train_steps on the restored step 3) would hold step 4's first rows without their gradients."""
+    acc = f"--trainer.accumulate_grad_batches={accumulate}"
+    assert fit_process(preempt_config, tmp_path / "full", tmp_path / "full", acc) == 0
+    full_rows, full_weights = steps_of(tmp_path / "full")
+    assert sorted(full_weights) == list(range(1, 9)) and all(len(r) == accumulate for r in full_rows.values())
+
+    run = tmp_path / "run"
+    parts = [(kill_at(4), -signal.SIGKILL), (kill_at(5), -signal.SIGKILL), (None, 0)]
+    rows: dict[int, list[tuple[int, int]]] = {}
+    weights: dict[int, str] = {}
+    for i, (kill, code) in enumerate(parts):
+        assert fit_process(preempt_config, run, tmp_path / f"part{i}", acc, *([kill] if kill else [])) == code
+        part_rows, part_weights = steps_of(tmp_path / f"part{i}")
+        start = min(part_rows)  # where this part resumed: what earlier parts trained from there on is lost
+        rows = {s: r for s, r in rows.items() if s < start} | part_rows
+        weights = {s: w for s, w in weights.items() if s <= start} | part_weights
+        if i:
+            assert start == 3, i  # both kills fell between the saves of steps 3 and 6
+    assert rows == full_rows
+    assert weights == full_weights
+    assert sorted(p.name for p in (run / "ckpt").iterdir()) == ["last.ckpt", "step=6.ckpt", "step=8.ckpt"]
+
+
+def test_a_checkpoint_saved_inside_a_gradient_accumulation_is_refused_or_skipped(resume_config, tmp_path, caplog,
+                                                                                 monkeypatch):
+    """An older version saved after the first micro-batch of a resumed run (Lightning's every_n_train_steps on the
+    restored step): by --ckpt_path it is refused in one line naming it; the automatic resume skips it with a warning
+    naming it and resumes from the newest checkpoint of an optimizer-step boundary."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from dflash_lightning.long_runs.checkpointing import RunCheckpoint
+
+    acc = "--trainer.accumulate_grad_batches=2"
+    run = tmp_path / "run"
+    boundary = fit(resume_config, run, acc, "--trainer.max_steps=3")[2][3]
+    with monkeypatch.context() as m:  # the older version: no guard
+        m.setattr(RunCheckpoint, "_should_skip_saving_checkpoint", ModelCheckpoint._should_skip_saving_checkpoint)
+        cli_main(fit_args(resume_config, run, acc, f"--ckpt_path={boundary}", "--trainer.max_steps=4"))
+    by_step = defaultdict(list)
+    for path in (run / "ckpt").glob("*.ckpt"):
+        by_step[load_checkpoint(path, mmap=True, verify=False)["global_step"]].append(path)
+    (mid,) = [p for p in by_step[3] if p != boundary]
+    for path in by_step[4]:  # killed before the next save
+        path.unlink()
+    with pytest.raises(ResumeError) as refused:
+        fit(resume_config, tmp_path / "other", acc, f"--ckpt_path={mid}", "--trainer.max_steps=4")
+    assert str(refused.value).startswith(f"cannot resume from {mid}: saved mid-way through a gradient accumulation "
+                                         "(1 of 2 micro-batches of step 4 trained")
+    assert "\n" not in str(refused.value)
+    caplog.clear()
+    cli = cli_main(fit_args(resume_config, run, acc, "--trainer.max_steps=4"))
+    assert cli.trainer.global_step == 4
+    assert f"skipping {mid}: saved mid-way through a gradient accumulation" in caplog.text
+    assert f"resuming from {boundary}, the newest complete checkpoint" in caplog.text

@@ -27,6 +27,7 @@ from torch import Tensor
 
 from dflash_lightning import lightning_compat as compat
 from dflash_lightning.long_runs.atomic import link_atomic, write_atomic
+from dflash_lightning.long_runs.resume import mid_accumulation
 
 log = logging.getLogger(__name__)
 
@@ -328,6 +329,10 @@ def newest_complete_checkpoint(folder: str | Path) -> Path | None:
         except CheckpointError as err:
             damaged.append((path, str(err)))
             continue
+        reason = mid_accumulation(ckpt)
+        if reason is not None:  # kept: a resume of an earlier step overwrites it at its step, at a boundary
+            log.warning(f"skipping {path}: {reason}")
+            continue
         found.append((int(ckpt["global_step"]), path.stat().st_mtime, path))
     found.sort(key=lambda f: (f[0], f[1]), reverse=True)
     best = None
@@ -387,6 +392,13 @@ class RunCheckpoint(ModelCheckpoint):
             run = getattr(io, "after_writes", lambda fn, *args: fn(*args))
             run(link_atomic, Path(linkpath), Path(filepath), PARTIAL_SUFFIX)
         trainer.strategy.barrier()
+
+    # overrides the private check before every save (compat.skips_saving; checked by tests/test_lightning_compat.py)
+    def _should_skip_saving_checkpoint(self, trainer: Trainer) -> bool:
+        # Inside a gradient accumulation the gradients of the micro-batches trained so far are in no checkpoint: a
+        # resume from one would train that optimizer step on part of its rows. Lightning saves there after a resume
+        # (every_n_train_steps divides the restored step) and on a train_time_interval; saves wait for the step.
+        return super()._should_skip_saving_checkpoint(trainer) or compat.inside_accumulation(trainer)
 
     def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
         # a background write that failed stops the run at the next step, not at the next save hours later

@@ -158,6 +158,32 @@ def check_weights(checkpoint: dict[str, Any], expected: dict[str, Any], drafter:
                       + f"weights: {weights}")
 
 
+def mid_accumulation(checkpoint: dict[str, Any]) -> str | None:
+    """Why a checkpoint cannot be resumed exactly when it was saved inside a gradient accumulation (the gradients of
+    its unfinished optimizer step are not in it), in words; None for one saved at an optimizer-step boundary."""
+    record = checkpoint.get(RECORD_KEY)
+    accumulate = record.get("trainer.accumulate_grad_batches") if isinstance(record, dict) else None
+    if not isinstance(accumulate, int) or accumulate < 2 or "loops" not in checkpoint:
+        return None
+    progress = compat.saved_batch_progress(checkpoint)
+    done = progress["current"]["processed"] % accumulate
+    if done == 0 or progress.get("is_last_batch"):  # Lightning steps on an epoch's last batch
+        return None
+    step = int(checkpoint.get("global_step", 0)) + 1
+    return (f"saved mid-way through a gradient accumulation ({done} of {accumulate} micro-batches of step {step} "
+            "trained, their gradients not saved; versions before 2026-12-04 saved so after a resume): a resume "
+            "would train that step on part of its rows")
+
+
+def check_step_boundary(checkpoint: dict[str, Any], path: str | None) -> None:
+    """Refuse in one line a checkpoint saved inside a gradient accumulation (`mid_accumulation`), naming it."""
+    reason = mid_accumulation(checkpoint)
+    if reason is not None:
+        raise ResumeError(f"cannot resume from {path or 'the checkpoint'}: {reason}. Resume from a checkpoint of "
+                          "an earlier step (--ckpt_path=...; the automatic resume skips this one), or start a new "
+                          "run (--preemption.resume=never)")
+
+
 def rescale_loop_progress(checkpoint: dict[str, Any], old_world: int, new_world: int) -> None:
     """Rewrite the fit loop's batch counters (per rank) for `new_world` ranks; the optimizer steps stay.
 
