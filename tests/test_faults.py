@@ -690,6 +690,31 @@ def test_automatic_resume_takes_the_newest_of_files_and_folders_past_damaged_and
     assert sorted(p.name for p in folder.iterdir()) == ["step=2.ckpt", "step=4.ckpt.damaged"]
 
 
+@pytest.mark.parametrize("layout", ["file", "folder"])
+def test_a_damaged_checkpoint_behind_the_last_link_is_set_aside_whole(good_checkpoints, two_rank_folder, tmp_path,
+                                                                      caplog, layout):
+    """`save_last: link` (the GPU configs): `last.ckpt` links to a damaged `step=4.ckpt` (a file, or a DDP
+    preemption folder). The automatic resume falls back to step 2 and renames the damaged step file or folder
+    itself `*.damaged`, not only the link, so that no later resume picks it under its final name; the link, which
+    only named it, goes."""
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    (folder / "step=2.ckpt").write_bytes((good_checkpoints / "checkpoints" / "step=2.ckpt").read_bytes())
+    if layout == "folder":
+        copy_of(two_rank_folder, folder / "step=4.ckpt")
+        shard = folder / "step=4.ckpt" / "__0_0.distcp"
+        shard.write_bytes(shard.read_bytes()[:-10])
+    else:
+        data = (good_checkpoints / "checkpoints" / "step=4.ckpt").read_bytes()
+        (folder / "step=4.ckpt").write_bytes(data[:1000])
+    (folder / "last.ckpt").symlink_to("step=4.ckpt")
+    assert newest_complete_checkpoint(folder) == folder / "step=2.ckpt"
+    assert sorted(p.name for p in folder.iterdir()) == ["step=2.ckpt", "step=4.ckpt.damaged"]
+    assert (folder / "step=4.ckpt.damaged").is_dir() == (layout == "folder")
+    assert f"renamed {folder / 'step=4.ckpt'} -> {folder / 'step=4.ckpt.damaged'}" in caplog.text
+    assert newest_complete_checkpoint(folder) == folder / "step=2.ckpt"  # the next start: nothing left to skip
+
+
 def test_tensor_checksums_are_the_same_rule_on_any_layout_and_catch_one_bit():
     """The stored value is the wrapping int64 sum of the bytes as words, whatever the dtype, shape or view."""
     from dflash_lightning.long_runs.checkpointing import tensor_checksum

@@ -348,10 +348,20 @@ def newest_complete_checkpoint(folder: str | Path) -> Path | None:
         fallback = f"resuming from {best[2]} (step {best[0]}) instead" if best else "no complete checkpoint is left"
         log.warning(f"skipping damaged checkpoint {reason}; {fallback}")
         if rank_zero_only.rank == 0:
-            target = path.with_name(path.name + DAMAGED_SUFFIX)
-            os.replace(path, target)
-            log.warning(f"renamed {path} -> {target} (kept for inspection)")
+            set_aside(path)
     return best[2] if best else None
+
+
+def set_aside(path: Path) -> None:
+    """Rename a damaged checkpoint (file or folder) `*.damaged`, kept for inspection and never picked again; for a link
+    (`last.ckpt` with `save_last: link`) its target is renamed and the link, which only named it, removed."""
+    target = path.resolve() if path.is_symlink() else path
+    aside = target.with_name(target.name + DAMAGED_SUFFIX)
+    os.replace(target, aside)
+    log.warning(f"renamed {target} -> {aside} (kept for inspection)")
+    if path.is_symlink():
+        path.unlink()
+        log.warning(f"removed the link {path} (it pointed to {target})")
 
 
 class RunCheckpoint(ModelCheckpoint):
