@@ -57,6 +57,46 @@ def test_a_trainer_setting_lightning_refuses_is_one_line_and_exit_2(assets, tmp_
     assert not any(n in out.stderr for n in NOISE), out.stderr[-2000:]
 
 
+GPU_CONFIG = str(ROOT / "configs" / "qwen3-8b.yaml")  # its target, Qwen/Qwen3-8B, is a hub id
+ON_CPU = ("--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.precision=32-true")
+
+
+def no_hub(tmp_path: Path, offline: bool) -> dict[str, str]:
+    """An empty Hugging Face cache and either HF_HUB_OFFLINE=1 or a hub that cannot be reached (a closed port)."""
+    env = {"HF_HOME": str(tmp_path / "hf"), "HF_ENDPOINT": "http://127.0.0.1:9"}
+    return env | {"HF_HUB_OFFLINE": "1"} if offline else env
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a GPU run needs a machine without one")
+def test_a_gpu_config_on_a_cpu_machine_is_refused_before_the_target_is_looked_up(tmp_path):
+    out = run("fit", "--config", GPU_CONFIG, env=no_hub(tmp_path, offline=False))
+    lines = [line for line in out.stderr.strip().splitlines() if line.startswith("error:")]
+    assert out.returncode == 2 and len(lines) == 1, out.stderr[-2000:]
+    assert lines[0].startswith("error: trainer settings (Lightning): trainer.accelerator=gpu: this machine has no "
+                               "GPU (available: cpu); run on a machine that has one"), lines[0]
+    assert "Qwen3-8B" not in out.stderr and not any(n in out.stderr for n in NOISE), out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("offline", [True, False], ids=["HF_HUB_OFFLINE=1", "unreachable"])
+def test_a_target_that_cannot_be_found_is_one_line_naming_it_and_the_setting(tmp_path, offline):
+    out = run("fit", "--config", GPU_CONFIG, *ON_CPU, env=no_hub(tmp_path, offline))
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and lines[-1].startswith("error: target.path: cannot get the model 'Qwen/Qwen3-8B': "
+                                                        "not in the Hugging Face cache and "), out.stderr[-2000:]
+    why = "HF_HUB_OFFLINE=1 forbids a download" if offline else "the hub cannot be reached (ConnectError: "
+    assert why in lines[-1] and "download it where the hub can be reached (`hf download Qwen/Qwen3-8B`), or set "\
+        "target.path to a local model folder" in lines[-1]
+    assert [line for line in lines if line != "Seed set to 0"] == lines[-1:], out.stderr[-2000:]  # nothing else
+
+
+def test_a_target_folder_that_does_not_exist_is_one_line_naming_the_setting(assets, tmp_path):  # noqa: F811
+    out = run("fit", "--config", str(fault_config(assets, tmp_path)), f"--target.path={tmp_path / 'missing'}")
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines()[-1].startswith(
+        f"error: target.path: no model folder at '{tmp_path / 'missing'}' (nor a hub id, 'org/name'): set "
+        "target.path to a local Hugging Face model folder or a hub id"), out.stderr[-2000:]
+
+
 def test_an_unwritable_checkpoint_folder_is_refused_before_the_first_step(assets, tmp_path):  # noqa: F811
     blocker = tmp_path / "a-file"
     blocker.write_text("")

@@ -15,7 +15,9 @@ from typing import Any
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Trainer
+from lightning.pytorch.accelerators import AcceleratorRegistry
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.strategies import DDPStrategy
@@ -73,9 +75,11 @@ class DFlashCLI(TypedSettingsCLI):
             parser.link_arguments("model", key, compute_fn=_distills, apply_on="instantiate")
 
     def before_instantiate_classes(self) -> None:
-        """`--trainer.enable_progress_bar=false` leaves out the config's progress bar (every shipped config names
+        """An accelerator this machine lacks is refused before the model's target is read or downloaded; and
+        `--trainer.enable_progress_bar=false` leaves out the config's progress bar (every shipped config names
         one), where Lightning would refuse the pair: a cluster's log gets no bar, as asked."""
         config = self.config[self.subcommand] if self.subcommand else self.config
+        check_accelerator(config.trainer.get("accelerator"))
         callbacks = config.trainer.get("callbacks")
         if config.trainer.get("enable_progress_bar") is not False or not isinstance(callbacks, list):
             return
@@ -152,6 +156,22 @@ class DFlashCLI(TypedSettingsCLI):
         self.model.check_device(self.trainer.strategy.root_device, self.trainer.precision_plugin.precision, off)
 
     before_validate = before_fit
+
+
+def check_accelerator(name: Any) -> None:
+    """Refuse, as Lightning's Trainer would but first, a named accelerator (`gpu`, `cuda`, `mps`, ...) this machine
+    does not have: the Trainer is built after the model, which reads (or downloads) the target."""
+    if not isinstance(name, str) or name == "auto":
+        return
+    gpu = name == "gpu"
+    known = ("cuda", "mps") if gpu else (name,) if name in AcceleratorRegistry else ()
+    if not known or any(AcceleratorRegistry[n]["accelerator"].is_available() for n in known):
+        return  # an accelerator of a plugin, or one that is here: the Trainer checks it
+    here = [n for n in sorted(AcceleratorRegistry.available_accelerators())
+            if AcceleratorRegistry[n]["accelerator"].is_available()]
+    raise MisconfigurationException(
+        f"trainer.accelerator={name}: this machine has no {'GPU' if gpu else name} (available: {', '.join(here)}); "
+        "run on a machine that has one, or set --trainer.accelerator (configs/tiny.yaml runs on the CPU)")
 
 
 def _is_progress_bar(callback: Any) -> bool:

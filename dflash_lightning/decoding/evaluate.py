@@ -304,7 +304,7 @@ def evaluate_drafter(
     target = target or ckpt_target
     if target is None:
         raise ValueError("--target is needed for an exported drafter folder")
-    folder = resolve_model_dir(target)
+    folder = resolve_model_dir(target, "--target")
     model = build_drafter(cfg, state, target, dtype).to(device)  # cast as engines cast, overflow refused
     target_model = AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPES[dtype]).to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder)

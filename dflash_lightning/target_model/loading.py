@@ -15,16 +15,41 @@ from torch import Tensor, nn
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_model_dir(path: str) -> Path:
-    """A local model folder as is, or a hub id resolved through the local Hugging Face cache."""
+def resolve_model_dir(path: str, setting: str = "target.path") -> Path:
+    """A local model folder as is, or a hub id resolved through the local Hugging Face cache (downloaded if absent);
+    a model that cannot be found is one `FileNotFoundError` line naming it, the `setting` and what to do."""
     local = Path(path).expanduser()
     if local.is_dir():
         return local
     if local.exists() or path.startswith((".", "/", "~")) or path.count("/") != 1:
-        raise FileNotFoundError(f"target: no model folder at '{path}'")
+        raise FileNotFoundError(f"{setting}: no model folder at '{path}' (nor a hub id, 'org/name'): set {setting} "
+                                "to a local Hugging Face model folder or a hub id")
     from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
 
-    return Path(snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]))
+    try:
+        return Path(snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]))
+    except GatedRepoError as err:
+        why, todo = "the hub refuses it (a gated model: accept its licence on its hub page)", "log in (`hf auth login`)"
+        cause: Exception = err
+    except RepositoryNotFoundError as err:
+        why, todo = "no such model on the hub (or a private one)", "check the id, or log in (`hf auth login`)"
+        cause = err
+    except (OSError, ConnectionError) as err:  # no cache and no network, or HF_HUB_OFFLINE=1
+        from huggingface_hub import constants
+
+        why = ("not in the Hugging Face cache and HF_HUB_OFFLINE=1 forbids a download" if constants.HF_HUB_OFFLINE
+               else f"not in the Hugging Face cache and the hub cannot be reached ({_first_line(err)})")
+        todo, cause = f"download it where the hub can be reached (`hf download {path}`)", err
+    raise FileNotFoundError(f"{setting}: cannot get the model '{path}': {why}; {todo}, or set {setting} to a local "
+                            "model folder") from cause
+
+
+def _first_line(err: BaseException) -> str:
+    """The innermost cause of a hub error, in one short line (`ConnectError: [Errno -2] Name or service not known`)."""
+    while err.__cause__ is not None:
+        err = err.__cause__
+    return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:160]
 
 
 def load_target_config(path: str) -> Any:
