@@ -10,7 +10,7 @@ import lightning
 import pytest
 import torch
 from lightning.pytorch import Callback, Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
@@ -111,6 +111,7 @@ def test_saved_batch_progress(fitted):
     (ModelCheckpoint, "_should_remove_checkpoint", ["self", "trainer", "previous", "current"]),
     (ModelCheckpoint, "_remove_checkpoint", ["self", "trainer", "filepath"]),
     (ModelCheckpoint, "_should_skip_saving_checkpoint", ["self", "trainer"]),
+    (RichProgressBar, "_get_train_description", ["self", "current_epoch"]),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_private_methods(owner, name, params):
     require(owner, name, params)

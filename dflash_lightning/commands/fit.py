@@ -18,10 +18,11 @@ from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import AcceleratorRegistry
-from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
+from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar, RichModelSummary, RichProgressBar
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.strategies import DDPStrategy
 
+from dflash_lightning.console import RunModelSummary, RunProgressBar, quiet_lightning
 from dflash_lightning.data import DFlashDataModule
 from dflash_lightning.decoding.validation import SpeculativeValidation
 from dflash_lightning.lightning_compat import TypedSettingsCLI, adopt_class
@@ -110,12 +111,20 @@ class DFlashCLI(TypedSettingsCLI):
                 adopt_class(cb, RunCheckpoint)
             if isinstance(cb, ModelCheckpoint) and cb.dirpath is None:  # version_N/ would change on every start
                 cb.dirpath = str(Path(trainer.default_root_dir, "checkpoints").resolve())
+        for cb in trainer.callbacks:  # the configs' bar and Lightning's summary: see dflash_lightning/console.py
+            if type(cb) is RichProgressBar:
+                adopt_class(cb, RunProgressBar)
+            elif type(cb) is RichModelSummary:
+                adopt_class(cb, RunModelSummary)
         for logger in trainer.loggers:
             # Folder loggers pick the next free version_N when first asked; asked here, before any of them writes,
             # the ones sharing a folder (TensorBoard and CSV in the configs) land in the same version_N. Others
             # (MLflow, W&B) are left alone: asking theirs would start their run now.
             if isinstance(logger, (TensorBoardLogger, CSVLogger)):
                 _ = logger.version
+        for logger in trainer.loggers:  # CSV's folder made before TensorBoard writes to it: no "exists and is not
+            if isinstance(logger, CSVLogger):  # empty" warning about a folder this very run shares
+                _ = logger.experiment
         return trainer
 
     def _names_checkpoint_io(self) -> bool:
@@ -198,6 +207,7 @@ def _distills(model: DFlashModule) -> bool:
 def main(argv: Sequence[str] | None = None, run: bool = True) -> DFlashCLI:
     """`fit` or `validate` (the first of `argv`); `run=False` only parses and instantiates."""
     torch.set_float32_matmul_precision("high")
+    quiet_lightning()
     return DFlashCLI(
         DFlashModule,
         DFlashDataModule,

@@ -1,0 +1,54 @@
+"""The README's first command prints what a user needs and no noise: no Lightning warning that tells nothing, no
+`Epoch 6/-2`, no `Total FLOPs: 0`; a warning that says something still comes through."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import yaml
+
+from dflash_lightning.console import HARMLESS, quiet_lightning
+
+ROOT = Path(__file__).parents[1]
+WARNING_LINE = re.compile(r"\.py:\d+: |Warning|warn", re.IGNORECASE)  # how Python and Lightning print a warning
+
+
+def test_the_first_command_prints_no_noise(tmp_path):
+    """configs/tiny.yaml as the README runs it (3 steps, one validation with served tau), into a fresh folder."""
+    config = yaml.safe_load((ROOT / "configs" / "tiny.yaml").read_text())
+    run = tmp_path / "runs"
+    config["trainer"].update(max_steps=3, val_check_interval=2, limit_val_batches=1, default_root_dir=str(run))
+    for logger in config["trainer"]["logger"]:
+        logger["init_args"]["save_dir"] = str(run)
+    config["trainer"]["callbacks"][-1]["init_args"]["dirpath"] = str(run / "checkpoints")
+    config["spec_eval"].update(every_n_steps=2, num_prompts=1, max_new_tokens=8)
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(config))
+    done = subprocess.run([sys.executable, "-m", "dflash_lightning", "fit", "--config", str(path)], cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "160"}, capture_output=True,
+                          text=True, timeout=600)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:]
+    noise = [line for line in out.splitlines() if WARNING_LINE.search(line) or "Tip:" in line or "FLOPs" in line]
+    assert not noise, "\n".join(noise)
+    assert "Epoch 0/0" in done.stdout and "/-" not in done.stdout  # max_steps=3 ends in the first epoch
+    assert "Total params" in done.stdout  # the summary is still there
+
+
+def test_only_the_harmless_warnings_are_silenced():
+    """Each silenced message by its start; any other warning, Lightning's own included, still comes through."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet_lightning()
+        warnings.warn("`isinstance(treespec, LeafSpec)` is deprecated, use ...", FutureWarning, stacklevel=1)
+        warnings.warn("Your `IterableDataset` has `__len__` defined. In combination with ...", UserWarning,
+                      stacklevel=1)
+        warnings.warn("The dataloader does not have many workers which may be a bottleneck.", UserWarning,
+                      stacklevel=1)
+    assert [str(w.message)[:30] for w in caught] == ["The dataloader does not have m"]
+    assert len(HARMLESS) == 2
