@@ -63,7 +63,9 @@ ON_CPU = ("--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.precisi
 
 def no_hub(tmp_path: Path, offline: bool) -> dict[str, str]:
     """An empty Hugging Face cache and either HF_HUB_OFFLINE=1 or a hub that cannot be reached (a closed port)."""
-    env = {"HF_HOME": str(tmp_path / "hf"), "HF_ENDPOINT": "http://127.0.0.1:9"}
+    cache = str(tmp_path / "hf" / "hub")
+    env = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_CACHE": cache, "HUGGINGFACE_HUB_CACHE": cache,
+           "HF_ENDPOINT": "http://127.0.0.1:9"}
     return env | {"HF_HUB_OFFLINE": "1"} if offline else env
 
 
