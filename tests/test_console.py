@@ -52,3 +52,23 @@ def test_only_the_harmless_warnings_are_silenced():
                       stacklevel=1)
     assert [str(w.message)[:30] for w in caught] == ["The dataloader does not have m"]
     assert len(HARMLESS) == 2
+
+
+def test_the_progress_bar_counts_epochs_to_the_end_max_steps_sets():
+    """400 steps of 60 batches end in epoch 6: `Epoch 6/6` where Lightning's bar read `Epoch 6/-2`."""
+    from types import SimpleNamespace
+
+    from dflash_lightning.console import RunProgressBar
+
+    bar = RunProgressBar()
+
+    def described(epoch: int, **trainer) -> str:
+        bar._trainer = SimpleNamespace(**{"max_epochs": -1, "max_steps": 400, "num_training_batches": 60,
+                                          "accumulate_grad_batches": 1} | trainer)
+        return bar._get_train_description(epoch).strip()
+
+    assert described(6) == "Epoch 6/6"
+    assert described(0, accumulate_grad_batches=2) == "Epoch 0/13"  # 800 batches
+    assert described(1, max_epochs=3) == "Epoch 1/2"  # max_epochs ends it first
+    assert described(2, max_steps=-1, max_epochs=5) == "Epoch 2/4"  # Lightning's own
+    assert described(3, num_training_batches=float("inf")) == "Epoch 3"  # no length: no end to show
