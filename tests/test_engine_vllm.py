@@ -193,12 +193,14 @@ def test_vllm_counts_what_evaluate_counts(greedy, reference, exported, engine, w
             "accepted_per_position": [sum(a > k for a in accepted) for k in range(spec_tokens)]}
     versions = subprocess.run([str(engine), "-c", "import vllm, torch, transformers; print(vllm.__version__, "
                                "torch.__version__, transformers.__version__)"], capture_output=True, text=True)
-    record = {"checkpoint": exported["checkpoint"], "served_with": exported["command"] + " " + " ".join(ve.CPU_FLAGS),
+    record = {"date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()}-core CPU",
+              "checkpoint": exported["checkpoint"], "served_with": exported["command"] + " " + " ".join(ve.CPU_FLAGS),
               "engine": versions.stdout.strip(), "prompts": len(report["prompts"]), "max_new_tokens": MAX_NEW,
               "vllm": counters, "evaluate": ours,
               "tau_vllm": 1 + counters["accepted_tokens"] / counters["drafts"],
               "tau_evaluate_accepted": 1 + sum(accepted) / len(accepted),
-              "evaluate_tau_pooled": report["tau_pooled"], "mismatches": report["mismatches"]}
+              "evaluate_tau_pooled": report["tau_pooled"],
+              "evaluate_expected_tau_pooled": report["expected_tau_pooled"], "mismatches": report["mismatches"]}
     (work / "counters.json").write_text(json.dumps(record, indent=2))
     if os.environ.get("DFLASH_ENGINE_REPORT"):  # benchmarks/RESULTS.md's served tau
         Path(os.environ["DFLASH_ENGINE_REPORT"]).write_text(json.dumps(record, indent=2) + "\n")

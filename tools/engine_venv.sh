@@ -29,5 +29,6 @@ printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\nSummary: metadata al
 echo engine_venv.sh >"$SITE/$ALIAS/INSTALLER"
 printf '%s/METADATA,,\n%s/INSTALLER,,\n%s/RECORD,,\n' "$ALIAS" "$ALIAS" "$ALIAS" >"$SITE/$ALIAS/RECORD"
 # The check the tests make too: vLLM imports, the command runs, on the CPU torch.
-"$PY" -c 'import torch, transformers, vllm; print(f"engine venv {__import__("sys").prefix}: vllm {vllm.__version__}, torch {torch.__version__}, transformers {transformers.__version__}")'
+"$PY" -c 'import sys, torch, transformers, vllm
+print(f"engine venv {sys.prefix}: vllm {vllm.__version__}, torch {torch.__version__}, transformers {transformers.__version__}")'
 "$VENV/bin/vllm" --version >/dev/null
