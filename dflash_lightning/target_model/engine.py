@@ -13,6 +13,7 @@ target's own final norm applied to vLLM's `L` (the residual stream after the las
 from __future__ import annotations
 
 import copy
+import fcntl
 import http.client
 import json
 import os
@@ -169,9 +170,9 @@ class EngineClient:
         from safetensors import safe_open
 
         deadline = time.monotonic() + self.request_timeout_s
-        while not os.path.exists(path):  # written whole under its name (a rename) by the connector's writer thread
+        while not (os.path.exists(path) and _unlocked(path + ".lock")):  # the writer holds the lock until it is whole
             if time.monotonic() > deadline:
-                raise _Malformed(f"{path} did not appear within {self.request_timeout_s:.0f} s")
+                raise _Malformed(f"{path} was not written within {self.request_timeout_s:.0f} s")
             time.sleep(0.002)
         with safe_open(path, "pt") as f:
             meta = f.metadata() or {}
@@ -192,6 +193,21 @@ class EngineClient:
         if not torch.isfinite(states).all():
             raise _Malformed(f"{path}: non-finite hidden states")
         return states
+
+
+def _unlocked(lock: str) -> bool:
+    """Whether no writer holds `lock` (vLLM's protocol: an exclusive flock until the file is complete)."""
+    try:
+        fd = os.open(lock, os.O_RDONLY)
+    except FileNotFoundError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
 
 
 class _Malformed(Exception):
@@ -248,7 +264,7 @@ class EngineProcess:
         env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}  # the connector's package
         with self.log.open("ab") as log:
             log.write(f"$ {self.command}\n".encode())
-            self.process = subprocess.Popen(["bash", "-c", f"exec {self.command}"], env=env, stdout=log,
+            self.process = subprocess.Popen(["bash", "-c", self.command], env=env, stdout=log,
                                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                             start_new_session=True)
         return self
