@@ -96,11 +96,11 @@ def rate(extract, batches, streams: int = 1) -> dict[str, float]:
             "document_tokens_per_s": real / seconds}
 
 
-def fit(placement: str, steps: int, warmup: int, out: Path, extra: list[str]) -> dict:
+def fit(placement: str, steps: int, warmup: int, work: Path, extra: list[str]) -> dict:
     """`fit --config configs/tiny.yaml` in a child process with IdleClock: its figures."""
     import subprocess
 
-    folder = out.parent / f"engine-bench-{placement}"
+    folder = work / f"fit-{placement}"
     idle = folder / "idle.json"
     folder.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "dflash_lightning", "fit", "--config", "configs/tiny.yaml",
@@ -119,6 +119,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--engine-python", required=True, help="python of the engine venv (tools/engine_venv.sh)")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--work", type=Path, default=Path("/tmp/dflash-engine-bench"), help="runs and the engine log")
     parser.add_argument("--rows", type=int, default=16)
     parser.add_argument("--streams", type=int, default=2)
     parser.add_argument("--steps", type=int, default=40)
@@ -140,13 +141,13 @@ def main() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    serve = serve_command(TINY, layer_ids, 6, False, "/dev/shm/dflash-engine-bench", max_model_len=1024)
+    storage = "/dev/shm/dflash-engine-bench" if Path("/dev/shm").is_dir() else str(args.work / "hidden-states")
+    serve = serve_command(TINY, layer_ids, 6, False, storage, max_model_len=1024)
     serve[0] = str(Path(args.engine_python).parent / "vllm")
     serve += ["--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
               "--max-num-batched-tokens", "4096"]
-    os.environ.update(CPU_ENV)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    engine = EngineProcess(shlex.join(serve), args.out.parent / "engine-bench-engine.log").start()
+    args.work.mkdir(parents=True, exist_ok=True)
+    engine = EngineProcess(shlex.join(serve), args.work / "engine.log", CPU_ENV).start()
     url = f"http://127.0.0.1:{port}/v1"
     try:
         client = EngineClient(url, aux_layer_ids(layer_ids, 6, False), 128)
@@ -164,8 +165,8 @@ def main() -> None:
             "engine_1_row": rate(ours.extract, batches),
             f"engine_{args.streams}_rows": rate(ours.extract, batches, args.streams),
         }
-        result["fit_colocated"] = fit("colocated", args.steps, args.warmup, args.out, [])
-        result["fit_engine"] = fit("engine", args.steps, args.warmup, args.out,
+        result["fit_colocated"] = fit("colocated", args.steps, args.warmup, args.work, [])
+        result["fit_engine"] = fit("engine", args.steps, args.warmup, args.work,
                                    [f"--target.engine_urls=[{url}]", f"--target.engine_streams={args.streams}"])
     finally:
         engine.stop()

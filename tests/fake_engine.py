@@ -58,6 +58,8 @@ def main() -> None:
         def do_POST(self) -> None:
             body = json.loads(self.rfile.read(int(self.headers["content-length"])))
             count[0] += 1
+            with open(os.path.join(os.path.dirname(folder), f"requests-{port}.log"), "a") as log:  # for the DDP test
+                log.write("1\n")
             if mode == "die_after" and count[0] > limit:
                 os._exit(3)
             if mode == "hang_after" and count[0] > limit:

@@ -153,3 +153,54 @@ def test_fit_whose_engine_dies_exits_1_with_one_line_naming_it(tmp_path):
     assert len(errors) == 1, done.stderr[-3000:]
     assert errors[0].startswith(f"error: engine {url}: no valid hidden states"), errors
     assert (tmp_path / "engine.log").read_text().startswith(f"$ {command}")
+
+
+def test_a_fit_fed_by_an_engine_resumes_mid_epoch_exactly(fake, tmp_path):
+    """Rows are fetched ahead of the trainer, yet a run stopped after 3 steps (mid-epoch: 5 rows an epoch) and
+    resumed from that checkpoint trains the same rows in the same order: the same losses, bitwise."""
+    from test_resume import fit, resume_config  # noqa: F401 (the fixture's body, called below)
+
+    config = resume_config.__wrapped__(tmp_path_factory=_Factory(tmp_path))
+    url = fake("ok", [3], hidden=32)  # the small target: 4 layers of 32, drafter layer id 2
+    engine = ["--target.placement=engine", f"--target.engine_urls=[{url}]", "--target.engine_streams=2",
+              "--target.prefetch=3"]
+    _, full, ckpts = fit(config, tmp_path / "full", *engine)
+    assert [s for s, _ in full] == list(range(8))
+    _, resumed, _ = fit(config, tmp_path / "from3", f"--ckpt_path={ckpts[3]}", *engine)
+    assert resumed == full[3:]
+
+
+class _Factory:
+    """tmp_path_factory's `mktemp` for a module fixture's body called in one test."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def mktemp(self, name: str) -> Path:
+        path = self.root / name
+        path.mkdir()
+        return path
+
+
+@pytest.mark.parametrize("engines", [1, 2])
+def test_two_ddp_ranks_share_one_engine_or_use_one_each(tmp_path, engines):
+    """`--trainer.strategy=ddp --trainer.devices=2` (gloo) fed by 1 engine (shared) or 2 (one per rank)."""
+    ports = [free_port() for _ in range(engines)]
+    fakes = [subprocess.Popen([sys.executable, str(FAKE), str(p), str(tmp_path / "hs"), "128", "[4]", "ok"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for p in ports]
+    urls = [f"http://127.0.0.1:{p}/v1" for p in ports]
+    cmd = [sys.executable, "-m", "dflash_lightning", "fit", "--config", "configs/tiny.yaml", "--trainer.strategy=ddp",
+           "--trainer.devices=2", "--trainer.max_steps=2", "--target.placement=engine",
+           f"--target.engine_urls=[{','.join(urls)}]", f"--trainer.default_root_dir={tmp_path}",
+           "--trainer.logger=false", "--trainer.callbacks=[]", "--spec_eval.every_n_steps=0",
+           "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    try:
+        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    finally:
+        for process in fakes:
+            process.kill()
+            process.wait()
+    assert done.returncode == 0, done.stderr[-3000:]
+    asked = [len((tmp_path / f"requests-{p}.log").read_text().splitlines()) for p in ports]
+    assert all(n > 0 for n in asked), asked  # with 2 engines, each rank used its own

