@@ -4,6 +4,7 @@ features are tested in tests/test_engine_vllm_features.py (the engine part of .c
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import re
@@ -170,6 +171,27 @@ def test_a_fit_fed_by_an_engine_resumes_mid_epoch_exactly(fake, tmp_path):
     assert resumed == full[3:]
 
 
+def test_a_preempted_fit_fed_by_an_engine_resumes_to_the_same_weights(fake, tmp_path):
+    """SIGTERM in step 4 (mid-epoch, rows fetched ahead): the preemption checkpoint is written and the restarted
+    command ends at step 8 with the weights of an uninterrupted run, bitwise."""
+    from test_resume import SIGTERM_AT_3, fit, resume_config  # noqa: F401
+
+    from dflash_lightning.long_runs.preemption import Preempted
+
+    config = resume_config.__wrapped__(tmp_path_factory=_Factory(tmp_path))
+    url = fake("ok", [3], hidden=32)
+    engine = ["--target.placement=engine", f"--target.engine_urls=[{url}]"]
+    _, _, full = fit(config, tmp_path / "full", *engine)
+    with pytest.raises(Preempted):
+        fit(config, tmp_path / "run", *engine, SIGTERM_AT_3)
+    _, _, again = fit(config, tmp_path / "run", *engine)
+    logs = sorted((tmp_path / "run").rglob("metrics.csv"), key=lambda p: p.stat().st_mtime)
+    steps = [int(r["step"]) for r in csv.DictReader(logs[-1].open()) if r.get("train/loss")]
+    assert steps == [4, 5, 6, 7], steps  # the restart resumed after the preempted step 4, it did not start over
+    final, resumed = (torch.load(c[8], weights_only=True)["state_dict"] for c in (full, again))
+    assert all(torch.equal(resumed[n], w) for n, w in final.items())
+
+
 class _Factory:
     """tmp_path_factory's `mktemp` for a module fixture's body called in one test."""
 
@@ -182,9 +204,10 @@ class _Factory:
         return path
 
 
-@pytest.mark.parametrize("engines", [1, 2])
-def test_two_ddp_ranks_share_one_engine_or_use_one_each(tmp_path, engines):
-    """`--trainer.strategy=ddp --trainer.devices=2` (gloo) fed by 1 engine (shared) or 2 (one per rank)."""
+def test_two_ddp_ranks_use_an_engine_each(tmp_path):
+    """`--trainer.strategy=ddp --trainer.devices=2` (gloo) fed by 2 engines, one per rank. Ranks share engines by the
+    same dealing (`rank_devices`, as target devices: tests/test_target.py); one run costs a minute here."""
+    engines = 2
     ports = [free_port() for _ in range(engines)]
     fakes = [subprocess.Popen([sys.executable, str(FAKE), str(p), str(tmp_path / "hs"), "128", "[4]", "ok"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for p in ports]
@@ -203,4 +226,4 @@ def test_two_ddp_ranks_share_one_engine_or_use_one_each(tmp_path, engines):
             process.wait()
     assert done.returncode == 0, done.stderr[-3000:]
     asked = [len((tmp_path / f"requests-{p}.log").read_text().splitlines()) for p in ports]
-    assert all(n > 0 for n in asked), asked  # with 2 engines, each rank used its own
+    assert all(n > 0 for n in asked), asked  # each rank used its own
