@@ -227,3 +227,12 @@ def test_two_ddp_ranks_use_an_engine_each(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     asked = [len((tmp_path / f"requests-{p}.log").read_text().splitlines()) for p in ports]
     assert all(n > 0 for n in asked), asked  # each rank used its own
+
+
+def test_engine_settings_without_the_engine_placement_are_refused():
+    from dflash_lightning.target_model import TargetFeatures
+
+    with pytest.raises(ConfigError, match="used by placement 'engine' only, placement is 'colocated'"):
+        TargetFeatures(str(TINY), engine_urls=["http://x:8000/v1"])
+    with pytest.raises(ConfigError, match="target.engine_urls: name the engines' URLs"):
+        TargetFeatures(str(TINY), placement="engine")

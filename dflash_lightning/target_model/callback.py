@@ -97,6 +97,9 @@ class TargetFeatures(Callback):
             raise ValueError("target.target_devices: name the devices of the target for placement 'separate'")
         if placement == "engine" and not engine_urls:
             raise ConfigError("target.engine_urls: name the engines' URLs (http://host:port/v1) for placement 'engine'")
+        if placement != "engine" and (engine_urls or engine_command):
+            raise ConfigError(f"target.engine_urls/engine_command: used by placement 'engine' only, placement is "
+                              f"{placement!r}; add --target.placement=engine")
         if placement == "engine" and (fp8 or compile):
             raise ConfigError("target.fp8/target.compile: the engine runs the target, set its precision in "
                               "`vllm serve` (--dtype, --quantization)")
