@@ -148,7 +148,8 @@ def test_an_engine_set_to_skip_tokens_is_refused_at_its_start_naming_the_flag(tm
     command = engine_command(port, tmp_path / "hs", "--enable-prefix-caching", "--no-enable-chunked-prefill",
                              flags=False)
     process = EngineProcess.__new__(EngineProcess)  # past the command check, to see the engine's own refusal
-    process.command, process.log, process.env, process.process = command, tmp_path / "engine.log", ve.CPU_ENV, None
+    process.command, process.log, process.env = command, tmp_path / "engine.log", ve.CPU_ENV
+    process.process = process.folder = None
     process.start()
     try:
         assert process.process.wait(timeout=900) != 0

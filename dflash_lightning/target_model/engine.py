@@ -250,6 +250,21 @@ class EngineExtractor:
         return out
 
 
+def connector_path() -> Path:
+    """A new folder that holds only the connector's module under its import name, for the engine's PYTHONPATH (the
+    package's folder itself would be site-packages for an installed project, mixing the two venvs)."""
+    import shutil
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="dflash-connector-"))
+    package = folder / "dflash_lightning" / "engine"
+    package.mkdir(parents=True)
+    (folder / "dflash_lightning" / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    shutil.copy(Path(__file__).resolve().parents[1] / "engine" / "vllm_connector.py", package)
+    return folder
+
+
 class EngineProcess:
     """An engine `fit` starts from `target.engine_command` (a shell command), in its own process group."""
 
@@ -259,10 +274,12 @@ class EngineProcess:
             raise ConfigError(f"target.engine_command: add {' '.join(missing)} (prefix caching and chunked prefill "
                               "skip tokens whose hidden states the drafter needs)")
         self.command, self.log, self.env, self.process = command, log, dict(env or {}), None
+        self.folder: Path | None = None
 
     def start(self) -> EngineProcess:
         self.log.parent.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **self.env, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}  # the connector
+        self.folder = connector_path()
+        env = {**os.environ, **self.env, "PYTHONPATH": str(self.folder)}
         with self.log.open("ab") as log:
             log.write(f"$ {self.command}\n".encode())
             self.process = subprocess.Popen(["bash", "-c", self.command], env=env, stdout=log,
@@ -278,7 +295,11 @@ class EngineProcess:
                               f"{tail[0] if tail else 'empty'})")
 
     def stop(self) -> None:
-        """SIGTERM to its process group, SIGKILL after 20 s."""
+        """SIGTERM to its process group, SIGKILL after 20 s; the connector's folder is removed."""
+        if self.folder is not None:
+            import shutil
+
+            shutil.rmtree(self.folder, ignore_errors=True)
         if self.process is None or self.process.poll() is not None:
             return
         for sig, grace in ((signal.SIGTERM, 20), (signal.SIGKILL, 30)):
