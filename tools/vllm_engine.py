@@ -137,6 +137,7 @@ class VllmServer:
                 break
         if self.process.poll() is None:
             self.process.wait(timeout=30)
+        _wait_group_gone(self.process.pid)  # the engine core and its workers too
 
     def kill(self) -> None:
         """SIGKILL to the whole group at once (a crash, not a shutdown), reaped."""
