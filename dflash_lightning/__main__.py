@@ -2,7 +2,7 @@
 
 Exit status: 2 for a bad setting or input (ConfigError, DataError, FeatureCacheError, other ValueErrors of the
 argument checks, Lightning's MisconfigurationException), 1 for a run that failed (a damaged or unwritable checkpoint,
-non-finite training, a server).
+non-finite training, a server, a feature engine).
 """
 
 import logging
@@ -21,9 +21,11 @@ from dflash_lightning.cli import cli_main  # noqa: E402
 from dflash_lightning.long_runs.checkpointing import CheckpointError  # noqa: E402
 from dflash_lightning.module import NonFiniteError  # noqa: E402
 from dflash_lightning.regenerate.openai_backend import ServerError  # noqa: E402
+from dflash_lightning.target_model.engine import EngineError  # noqa: E402
 
 TRACEBACK_ENV = "DFLASH_TRACEBACK"
-FAILED_RUN = (CheckpointError, NonFiniteError, ServerError)  # exit 1; any other ValueError is a bad setting: 2
+# exit 1; any other ValueError is a bad setting: 2
+FAILED_RUN = (CheckpointError, NonFiniteError, ServerError, EngineError)
 
 
 def main() -> None:

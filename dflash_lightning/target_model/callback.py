@@ -5,6 +5,7 @@ The target never enters the LightningModule or its checkpoint.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -14,8 +15,16 @@ from torch import Tensor
 
 from dflash_lightning.config import ConfigError
 from dflash_lightning.fp8 import require_fp8
+from dflash_lightning.target_model.engine import (
+    EngineClient,
+    EngineExtractor,
+    EngineProcess,
+    aux_layer_ids,
+    final_norm,
+    wait_ready,
+)
 from dflash_lightning.target_model.features import FeatureExtractor
-from dflash_lightning.target_model.loading import DTYPES
+from dflash_lightning.target_model.loading import DTYPES, load_target_config
 from dflash_lightning.target_model.separate import FeaturePrefetcher, rank_devices
 from dflash_lightning.target_model.sharded import node_mesh
 from dflash_lightning.wiring import check_wiring
@@ -31,7 +40,7 @@ class TargetFeatures(Callback):
         self,
         path: str,
         dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16",
-        placement: Literal["colocated", "separate", "sharded"] = "colocated",
+        placement: Literal["colocated", "separate", "sharded", "engine"] = "colocated",
         target_devices: list[str] | None = None,
         prefetch: int = 2,
         attn_implementation: str = "auto",
@@ -41,6 +50,12 @@ class TargetFeatures(Callback):
         final_hidden: bool = False,
         token_budget: int | None = None,
         feature_cache: str | None = None,
+        engine_urls: list[str] | None = None,
+        engine_command: str | None = None,
+        engine_streams: int = 2,
+        engine_request_timeout_s: float = 120.0,
+        engine_deadline_s: float = 600.0,
+        engine_startup_s: float = 900.0,
     ) -> None:
         """
         Args:
@@ -49,7 +64,8 @@ class TargetFeatures(Callback):
             placement: `colocated`: the target runs on the trainer's own device, features never leave it;
                 `separate`: copies of the target on `target_devices` compute features ahead in threads;
                 `sharded`: one target sharded over the node's trainer GPUs (for a target too large for one),
-                each rank running its own batch through it.
+                each rank running its own batch through it; `engine`: running vLLM engines at `engine_urls`
+                compute them (docs/engine.md), ahead of the trainer like `separate`.
             target_devices: Devices of the target copies for `separate` (e.g. [cuda:2, cuda:3]); with several
                 trainer devices per node they are dealt out among the node's ranks (see `rank_devices`).
             prefetch: Batches each separate target may compute ahead of the trainer (a bounded queue).
@@ -67,9 +83,28 @@ class TargetFeatures(Callback):
             token_budget: Tokens of the warm-up row of a separate target (linked from `data.token_budget`).
             feature_cache: The data module's feature cache (linked from `data.feature_cache`): with one, no target
                 is loaded, the cache serves the features.
+            engine_urls: For `engine`: the engines' OpenAI base URLs (http://host:port/v1); the trainer ranks deal them
+                out like `target_devices` (several ranks share one engine, or each has its own).
+            engine_command: For `engine`: a shell command that starts the engine (`vllm serve ...`, docs/engine.md);
+                the first rank starts it, every rank waits for it, and it is stopped when `fit` ends. Unset: the
+                engines are started by the user.
+            engine_streams: Rows each rank keeps in flight at each of its engines (each row's documents go at once).
+            engine_request_timeout_s: Seconds one request may take before it is retried.
+            engine_deadline_s: Seconds of failed tries (a dead, hung or malformed engine) before `fit` stops.
+            engine_startup_s: Seconds to wait for the engines to answer at the start.
         """
         if placement == "separate" and not target_devices:
             raise ValueError("target.target_devices: name the devices of the target for placement 'separate'")
+        if placement == "engine" and not engine_urls:
+            raise ConfigError("target.engine_urls: name the engines' URLs (http://host:port/v1) for placement 'engine'")
+        if placement != "engine" and (engine_urls or engine_command):
+            raise ConfigError(f"target.engine_urls/engine_command: used by placement 'engine' only, placement is "
+                              f"{placement!r}; add --target.placement=engine")
+        if placement == "engine" and (fp8 or compile):
+            raise ConfigError("target.fp8/target.compile: the engine runs the target, set its precision in "
+                              "`vllm serve` (--dtype, --quantization)")
+        if engine_streams < 1:
+            raise ConfigError(f"target.engine_streams must be >= 1, got {engine_streams}")
         if prefetch < 1:
             raise ValueError(f"target.prefetch must be >= 1, got {prefetch}")
         if fp8 and dtype != "bfloat16":
@@ -88,8 +123,11 @@ class TargetFeatures(Callback):
         self.compile = compile
         self.layer_ids = list(layer_ids) if layer_ids is not None else None
         self.final_hidden, self.token_budget, self.feature_cache = final_hidden, token_budget, feature_cache
+        self.engine_urls, self.engine_streams = list(engine_urls or []), engine_streams
+        self.engine_timeouts = (engine_request_timeout_s, engine_deadline_s, engine_startup_s)
+        self.engine = EngineProcess(engine_command, Path("engine.log")) if engine_command else None
         self.extractor: FeatureExtractor | None = None
-        self.extractors: list[FeatureExtractor] = []
+        self.extractors: list[Any] = []
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if self.extractor is not None or self.extractors:
@@ -105,6 +143,10 @@ class TargetFeatures(Callback):
         layer_ids = self.layer_ids
         final = self.final_hidden  # distillation's teacher, the final normed hidden state: then the whole target runs
 
+        if self.placement == "engine":
+            self.extractors = self.engine_extractors(trainer, layer_ids, final)
+            self.prefetch_loaders(trainer)
+            return
         devices = [trainer.strategy.root_device] if self.placement != "separate" else self.target_devices
         for device in devices:  # before any weight is read
             if self.fp8:
@@ -122,12 +164,36 @@ class TargetFeatures(Callback):
         self.extractors = [self.load_extractor(d, layer_ids, final_hidden=final) for d in devices]
         for extractor in self.extractors:  # compile a GPU target's flex kernel here, never in a prefetch thread
             warm_up(extractor, self.token_budget)
+        self.prefetch_loaders(trainer)
+
+    def prefetch_loaders(self, trainer: Trainer) -> None:
+        """The data module's loaders, wrapped so that `self.extractors` compute each batch's features ahead."""
         datamodule, device = trainer.datamodule, trainer.strategy.root_device
         for name in ("train_dataloader", "val_dataloader"):
             if not is_overridden(name, datamodule):  # a data module without validation keeps it that way
                 continue
             make = getattr(datamodule, name)
             setattr(datamodule, name, lambda make=make: self.prefetched(make(), device))
+
+    def engine_extractors(self, trainer: Trainer, layer_ids: list[int], final: bool) -> list[EngineExtractor]:
+        """This rank's engines' extractors (`engine_streams` each), once every engine answers; `fit` starts the
+        engine first when given its command (on the first rank, its log beside the run's)."""
+        config = load_target_config(self.path)
+        total, hidden = config.num_hidden_layers, config.hidden_size
+        timeout, deadline, startup = self.engine_timeouts
+        if self.engine is not None and trainer.global_rank == 0:
+            self.engine.log = Path(trainer.default_root_dir) / "engine.log"
+            self.engine.start()
+        urls = rank_devices(self.engine_urls, trainer.global_rank, trainer.world_size)
+        clients = [EngineClient(url, aux_layer_ids(layer_ids, total, final), hidden, timeout, deadline) for url in urls]
+        wait_ready(clients, self.engine if trainer.global_rank == 0 else None, startup)
+        norm = final_norm(self.path, DTYPES[self.dtype]) if final else None
+        dtype = DTYPES[self.dtype]
+        return [EngineExtractor(c, layer_ids, dtype, norm) for c in clients for _ in range(self.engine_streams)]
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self.engine is not None:
+            self.engine.stop()
 
     def load_extractor(
         self, device: torch.device | str, layer_ids: list[int], mesh: DeviceMesh | None = None,

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 
 
 class FeaturePrefetcher:
-    """Wraps a dataloader: target threads on their own devices compute features ahead of the trainer.
+    """Wraps a dataloader: target threads on their own devices (or engines' clients) compute features ahead.
 
     Batch i+1.. are computed while the drafter trains on batch i, at most `depth` batches ahead per
     device; batches come out in loader order. Only the eager target runs in the threads; every
@@ -42,7 +42,7 @@ class FeaturePrefetcher:
 
         def work(rank: int) -> None:
             extractor = self.extractors[rank]
-            device = next(extractor.parameters()).device
+            device = extractor_device(extractor)
             while not stop.is_set():
                 with cond:
                     cond.wait_for(lambda: turn[0] % n == rank or stop.is_set())
@@ -86,6 +86,12 @@ class FeaturePrefetcher:
             for q in outs:  # unblock producers waiting on a full queue
                 while not q.empty():
                     q.get_nowait()
+
+
+def extractor_device(extractor: Any) -> torch.device:
+    """Where an extractor takes its inputs: its own `device` (an engine's client: the CPU), else its weights'."""
+    device = getattr(extractor, "device", None)
+    return device if isinstance(device, torch.device) else next(extractor.parameters()).device
 
 
 def rank_devices(devices: list[str], local_rank: int, ranks_per_node: int) -> list[str]:
