@@ -172,6 +172,9 @@ class Part(nn.Module):
     changes_backbone: ClassVar[bool] = False
     """Whether the part changes the backbone's hidden states (block convolutions): a drafter trained with it is
     never warm-started without it."""
+    fp8_exempt: ClassVar[bool] = False
+    """Whether the part's linears stay out of FP8 training (`model.fp8=all`): those whose weights the loss reads by
+    hand (`head_params`)."""
     needs_final_hidden: ClassVar[bool] = False
     """Whether training reads the target's final hidden states (`TrainInputs.final_hidden`)."""
     decodes: ClassVar[bool] = False
