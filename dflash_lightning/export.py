@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from dflash_lightning.config import ConfigError, DrafterConfig, _rope_settings
+from dflash_lightning.hf.modeling_dflash import __all__ as REMOTE_CLASSES
 from dflash_lightning.long_runs.atomic import write_dir_atomic
 from dflash_lightning.long_runs.checkpointing import CheckpointError, load_checkpoint, nonfinite_weights
 from dflash_lightning.long_runs.distributed_checkpoint import is_distributed_checkpoint
@@ -81,7 +82,9 @@ def hf_config(cfg: DrafterConfig, dtype: DType) -> dict[str, Any]:
     return {
         "architectures": [architecture],
         "model_type": "qwen3",
-        "auto_map": {"AutoModel": f"{MODELING_FILE.stem}.{architecture}"},
+        # transformers' trust_remote_code class, where the modelling file has one for the architecture
+        **({"auto_map": {"AutoModel": f"{MODELING_FILE.stem}.{architecture}"}} if architecture in REMOTE_CLASSES
+           else {}),
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
         "num_hidden_layers": cfg.num_layers,
