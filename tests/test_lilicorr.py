@@ -295,10 +295,11 @@ def training_case(seed: int = 2):
     ids = torch.stack([torch.randperm(V, generator=g)[:4].reshape(1, 4).repeat(1, 1) for _ in range(a * S)]).view(
         a, S, 4)
     labels = ids[..., 0].clone()
-    labels[0] = ids[0, :, 2]  # every label in the lattice, not first
+    labels[0] = ids[0, torch.arange(S), (torch.arange(S) + 2) % 4]  # every label in the lattice, at varying ranks
     labels[1, 2] = 49 if 49 not in ids[1, 2] else 48  # slot 3 misses: slots 3.. unsupervised
     labels[2, 0] = next(v for v in range(V) if v not in ids[2, 0])  # slot 1 misses: nothing supervised
     labels[3] = ids[3, :, 1]
+    labels[4] = ids[4, torch.arange(S), torch.arange(S) % 4]
     slot_ok = torch.ones(a, S, dtype=torch.bool)
     slot_ok[3, S - 1] = False  # a block whose last slot is past the document: the whole block is out
     slot_ok[5] = False  # an invalid anchor
@@ -466,11 +467,16 @@ def test_metrics_match_loops():
 # ---- compile ------------------------------------------------------------------------------------------------------
 
 
-def test_training_path_compiles_once_without_graph_breaks():
-    """Scores, loss and metrics' walk at fixed shapes: one graph (fullgraph: no host sync breaks it) and no
-    recompile on a second batch with other masks and labels."""
+def test_training_path_compiles_once_without_host_syncs():
+    """Scores, loss and the walk at fixed shapes: one graph (fullgraph: nothing breaks it), no `.item()` in it (a
+    host sync on a GPU) and no recompile on a second batch with other masks and labels."""
     torch._dynamo.reset()
     m = reranker().float()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
 
     def step(x, labels, slot_ok, target):
         start, pair = m.scores(x["token_embeddings"], x["log_probs"], x["pass_hidden"], x["anchor_hidden"],
@@ -478,17 +484,20 @@ def test_training_path_compiles_once_without_graph_breaks():
         out = lattice_loss(start, pair, x["ids"], labels, slot_ok, target, SETTINGS)
         return out.total, greedy_walk(start, pair)
 
-    compiled = torch.compile(step, backend="aot_eager", fullgraph=True, dynamic=False)
+    compiled = torch.compile(step, backend=backend, fullgraph=True, dynamic=False)
     from torch._dynamo.utils import counters
     counters.clear()
     for seed in (1, 2):
         x = {k: (v.float() if v.is_floating_point() else v) for k, v in lattice_inputs(seed=seed).items()}
         slot_ok = torch.rand(3, S, generator=torch.Generator().manual_seed(seed)) > 0.2
-        loss, walk = compiled(x, x["ids"][..., seed % 4], slot_ok, torch.randn(3, S, 4))
-        ref_loss, ref_walk = step(x, x["ids"][..., seed % 4], slot_ok, torch.zeros(3, S, 4))
-        assert torch.equal(walk, ref_walk)
-    assert counters["stats"]["unique_graphs"] == 1
-    assert not counters["recompiles"] and not counters["graph_break"]
+        target = torch.randn(3, S, 4)
+        loss, walk = compiled(x, x["ids"][..., seed % 4], slot_ok, target)
+        ref_loss, ref_walk = step(x, x["ids"][..., seed % 4], slot_ok, target)
+        assert torch.equal(walk, ref_walk) and torch.allclose(loss, ref_loss)
+    assert len(graphs) == 1 and not counters["recompiles"] and not counters["graph_break"]
+    sync_ops = ("item", "tolist", torch.ops.aten._local_scalar_dense.default)
+    syncs = [n for n in graphs[0].graph.nodes if n.target in sync_ops]
+    assert not syncs, syncs
 
 
 # ---- format -------------------------------------------------------------------------------------------------------
