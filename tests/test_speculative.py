@@ -14,6 +14,8 @@ from dflash_lightning.config import DrafterConfig
 from dflash_lightning.decoding.speculative import DraftContext, SpeculativeDecoder, accepted_length, target_generate
 from dflash_lightning.hf.modeling_dflash import sampling_probs, verify_drafts
 from dflash_lightning.model import DFlashDrafter
+from dflash_lightning.parts.convolutions import ConvSettings
+from dflash_lightning.parts.selector import SelectorSettings
 from dflash_lightning.target_model import load_target_io
 
 EOS = 2  # <|im_end|> of the test tokenizer
@@ -49,7 +51,8 @@ def test_accept_rule_on_hand_made_blocks():
     assert accepted_length(torch.tensor([], dtype=torch.long), post[:1]) == 0  # a block of one token
 
 
-@pytest.mark.parametrize("variant", [{}, {"variant": "dflash2", "conv_group_size": 8, "selector_rank": 4}],
+@pytest.mark.parametrize("variant", [{}, {"variant": "dflash2", "conv": ConvSettings(group_size=8),
+                                          "selector": SelectorSettings(rank=4)}],
                          ids=["dflash", "dflash2"])  # DFLASH2, defined below
 @pytest.mark.parametrize("block_size", [2, 4, 8, 16])
 def test_random_drafter_is_lossless(target, block_size, variant):
@@ -122,7 +125,7 @@ def test_max_new_tokens_is_exact(target):
 
 
 SLIDING = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 5}
-DFLASH2 = {"variant": "dflash2", "conv_group_size": 8, "selector_rank": 4}  # the tiny target: H 64, V 64
+DFLASH2 = {"variant": "dflash2", "conv": ConvSettings(group_size=8), "selector": SelectorSettings(rank=4)}  # H 64, V 64
 
 
 @pytest.mark.parametrize("attention", [{}, SLIDING, {**SLIDING, "is_causal": False}], ids=["full", "sliding",
@@ -342,7 +345,7 @@ def test_speculative_sampling_is_lossless(drafting):
     table = {x: target_generate(target, torch.cat([prompt, torch.tensor([x])]), B - 1).tokens for x in range(V)}
     # two layers: with one, slots 1..B-1 never see the context that only slot 0's window reaches
     window = {"layer_types": ["sliding_attention"] * 2, "sliding_window": 3} if drafting == "sliding" else {}
-    variant = {**DFLASH2, "selector_top_k": 3} if drafting == "dflash2" else {}
+    variant = {**DFLASH2, "selector": SelectorSettings(rank=4, top_k=3)} if drafting == "dflash2" else {}
     drafter = DFlashDrafter(DrafterConfig(num_layers=2 if window else 1, block_size=B, mask_token_id=V - 1,
                                           gamma=4.0, **window, **variant).resolved(config))
     if variant:  # a selector and convolutions away from their initialisation, and q spread over the candidates
