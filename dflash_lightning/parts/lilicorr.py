@@ -8,24 +8,26 @@ width, Hh the lattice width, F the factor width, V the vocabulary. Candidate lis
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torchmetrics import Metric
 
-from dflash_lightning.config import ConfigError
+from dflash_lightning.errors import ConfigError
+from dflash_lightning.parts.base import ChunkResult, DraftInputs, HeadChunk, HeadOutput, Part, PartOutput, TrainInputs
+from dflash_lightning.topk import unary_top_k
 
-ARCHITECTURE = "LiLiCorrDraftModel"
 PREFIX = "lilicorr."  # every weight of the part sits under it in the drafter and in the folder
 NUM_FEATURES = 5  # [l, exp(l), l - l_1, rank fraction, is top 1], in the feature MLP's input order
 MARGIN = 2.0  # the hinge of L_margin: the label's score should lead the best other candidate by this much
 
 
-@dataclass(frozen=True)
+@dataclass
 class LiLiCorrSettings:
-    """The lattice reranker's geometry (exported, all eight read by the engines) and its loss weights."""
+    """The lattice reranker's geometry (`dflash_config.lilicorr_<field>`, all eight read by the engines) and its loss
+    weights (`model.drafter.lilicorr.*`)."""
 
     candidate_topk: int = 8
     """K: candidates per slot, the unary top K (the engines take a power of two <= 16)."""
@@ -44,31 +46,35 @@ class LiLiCorrSettings:
     vector_eps: float = 1e-4
     """eps of the factor vectors' L2 normalisation (changes scores, no shape)."""
     ce_weight: float = 0.25
-    """Weight of L_ce, the walk's K-way cross-entropy at the label, in the total loss."""
+    """Weight of L_ce, the walk's K-way cross-entropy at the label, in the total loss (a training choice)."""
     margin_weight: float = 0.0
     """Weight of L_margin, relu(2 + best other score - label score) (the 'margin' recipe: 0.125, with ce 0.125)."""
     penalty_weight: float = 0.25
     """Weight of L_pen, the walk's probability on candidates the target ranks below the label, times the gap."""
 
-    def __post_init__(self) -> None:
+    def check(self, config: Any) -> None:
+        """Raise ConfigError naming the field of a value that cannot work for the drafter `config`."""
         k = self.candidate_topk
-        if not (isinstance(k, int) and 1 <= k <= 16 and k & (k - 1) == 0):
+        if not 1 <= k <= 16 or k & (k - 1):
             raise ConfigError(f"lilicorr.candidate_topk must be a power of two in 1..16 (the engines'), got {k}")
+        if getattr(config, "vocab_size", None) and k > config.vocab_size:
+            raise ConfigError(f"lilicorr.candidate_topk ({k}) exceeds vocab_size ({config.vocab_size})")
         for name in ("factor_dim", "num_layers", "num_heads"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"lilicorr.{name} must be >= 1, got {getattr(self, name)}")
         if self.hidden_size < 0:
             raise ConfigError(f"lilicorr.hidden_size must be >= 0 (0: the drafter's width), got {self.hidden_size}")
-        if self.hidden_size and self.hidden_size % self.num_heads:
-            raise ConfigError(f"lilicorr.hidden_size ({self.hidden_size}) must be divisible by num_heads "
-                              f"({self.num_heads})")
-        if not self.mlp_ratio > 0 or not self.logit_scale > 0:
-            raise ConfigError(f"lilicorr.mlp_ratio and logit_scale must be > 0, got {self.mlp_ratio}, "
-                              f"{self.logit_scale}")
+        width = self.width(getattr(config, "hidden_size", None) or self.hidden_size)
+        if width and width % self.num_heads:
+            raise ConfigError(f"lilicorr.hidden_size ({width}{' = the drafter width' if not self.hidden_size else ''})"
+                              f" must be divisible by num_heads ({self.num_heads})")
+        for name in ("mlp_ratio", "logit_scale"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"lilicorr.{name} must be > 0, got {getattr(self, name)}")
         if not 0 < self.vector_eps < 0.5:
             raise ConfigError(f"lilicorr.vector_eps must be in (0, 0.5), got {self.vector_eps}")
         for name in ("ce_weight", "margin_weight", "penalty_weight"):
-            if getattr(self, name) < 0:
+            if not getattr(self, name) >= 0:
                 raise ConfigError(f"lilicorr.{name} must be >= 0, got {getattr(self, name)}")
         if not (self.ce_weight or self.margin_weight or self.penalty_weight):
             raise ConfigError("lilicorr: ce_weight, margin_weight and penalty_weight are all 0, so the reranker "
@@ -80,40 +86,8 @@ class LiLiCorrSettings:
 
 
 GEOMETRY = ("candidate_topk", "hidden_size", "factor_dim", "num_layers", "num_heads", "mlp_ratio", "logit_scale",
-            "vector_eps")  # the fields exported as dflash_config.lilicorr_<name>
-
-
-def export_fields(settings: LiLiCorrSettings) -> dict[str, Any]:
-    """dflash_config entries of a LiLiCorr folder: `lilicorr_enabled` and the eight geometry fields."""
-    out: dict[str, Any] = {"lilicorr_enabled": True}
-    for name in GEOMETRY:
-        value = getattr(settings, name)
-        out[f"lilicorr_{name}"] = float(value) if name in ("mlp_ratio", "logit_scale", "vector_eps") else int(value)
-    return out
-
-
-def settings_from_dflash_config(dflash_config: dict[str, Any], where: str = "config.json",
-                                **loss_weights: float) -> LiLiCorrSettings:
-    """LiLiCorrSettings from a folder's dflash_config (every geometry field required, as SGLang requires them)."""
-    if dflash_config.get("lilicorr_enabled") is not True:
-        raise ConfigError(f"{where}: dflash_config.lilicorr_enabled must be true in a {ARCHITECTURE} folder, got "
-                          f"{dflash_config.get('lilicorr_enabled')!r}")
-    values: dict[str, Any] = {}
-    for name in GEOMETRY:
-        key = f"lilicorr_{name}"
-        if key not in dflash_config:
-            raise ConfigError(f"{where}: {ARCHITECTURE} lacks dflash_config.{key}")
-        value = dflash_config[key]
-        floating = name in ("mlp_ratio", "logit_scale", "vector_eps")
-        ok = isinstance(value, (int, float)) if floating else type(value) is int
-        if not ok or isinstance(value, bool):
-            kind = "a number" if floating else "an integer"
-            raise ConfigError(f"{where}: dflash_config.{key} must be {kind}, got {value!r}")
-        values[name] = float(value) if floating else value
-    try:
-        return LiLiCorrSettings(**values, **loss_weights)
-    except ConfigError as e:
-        raise ConfigError(f"{where}: {e}") from None
+            "vector_eps")  # the settings exported as dflash_config.lilicorr_<name>, in that order
+FLOAT_GEOMETRY = ("mlp_ratio", "logit_scale", "vector_eps")
 
 
 def weight_shapes(settings: LiLiCorrSettings, hidden_size: int, block_size: int) -> dict[str, tuple[int, ...]]:
@@ -268,30 +242,41 @@ def attention_bias(relative_slot_bias: Tensor, same_slot_bias: Tensor, slots: in
     return relative_slot_bias[:, distance + block_size - 1] + same_slot_bias[:, None, None] * same
 
 
-class LiLiCorrReranker(nn.Module):
-    """The part: lattice states, the lattice transformer and the start/pair scores (the drafter's `lilicorr`)."""
+class LiLiCorrReranker(Part):
+    """The part (`drafter.lilicorr`): lattice states, the lattice transformer and the start/pair scores; its training
+    term after the head loop, its metrics, its greedy and sampled walks and its export fields."""
 
-    def __init__(self, settings: LiLiCorrSettings, hidden_size: int, block_size: int, rms_norm_eps: float) -> None:
-        super().__init__()
-        self.settings, self.block_size = settings, block_size
-        hh, f, k = settings.width(hidden_size), settings.factor_dim, settings.candidate_topk
+    name = "lilicorr"
+    settings_type = LiLiCorrSettings
+    config_fields: ClassVar[dict[str, str]] = {f"lilicorr_{n}": n for n in GEOMETRY}
+    weight_prefix = "lilicorr"
+    needs_final_hidden = True  # L_pen reads the target's logits at the candidates
+    decodes = True
+    head_rows = 4  # candidate ids, their logits, the row's logsumexp, softmax(logits) @ head
+
+    def __init__(self, config: Any) -> None:
+        """`config`: the resolved drafter config (hidden_size, block_size, rms_norm_eps and the `lilicorr` settings)."""
+        super().__init__(config)
+        settings, self.block_size = self.settings, config.block_size
+        h, block_size = config.hidden_size, config.block_size
+        hh, f, k = settings.width(h), settings.factor_dim, settings.candidate_topk
         if hh % settings.num_heads:
             raise ConfigError(f"lilicorr: width {hh} (hidden_size 0 = the drafter's) must be divisible by num_heads "
                               f"({settings.num_heads})")
-        self.topk, self.width = k, hh
-        self.token_proj = nn.Linear(hidden_size, hh) if hh != hidden_size else None
-        self.pass_hidden_proj = nn.Linear(hidden_size, hh)
+        self.top_k, self.width = k, hh
+        self.token_proj = nn.Linear(h, hh) if hh != h else None
+        self.pass_hidden_proj = nn.Linear(h, hh)
         self.feature_norm = nn.LayerNorm(NUM_FEATURES)
         self.feature_mlp = LatticeMLP(NUM_FEATURES, hh, hh)
         self.slot_embedding = nn.Parameter(torch.empty(1, 1, block_size - 1, 1, hh))
         self.rank_embedding = nn.Parameter(torch.empty(1, 1, 1, k, hh))
         self.relative_slot_bias = nn.Parameter(torch.empty(settings.num_heads, 2 * block_size - 1))
         self.same_slot_bias = nn.Parameter(torch.empty(settings.num_heads))
-        self.context_proj = nn.Linear(hidden_size, hh)
-        self.layers = nn.ModuleList(LatticeLayer(hh, settings.num_heads, int(hh * settings.mlp_ratio), rms_norm_eps)
-                                    for _ in range(settings.num_layers))
-        self.output_norm = nn.RMSNorm(hh, eps=rms_norm_eps)
-        self.anchor_norm = nn.RMSNorm(hh, eps=rms_norm_eps)
+        self.context_proj = nn.Linear(h, hh)
+        self.layers = nn.ModuleList(LatticeLayer(hh, settings.num_heads, int(hh * settings.mlp_ratio),
+                                                 config.rms_norm_eps) for _ in range(settings.num_layers))
+        self.output_norm = nn.RMSNorm(hh, eps=config.rms_norm_eps)
+        self.anchor_norm = nn.RMSNorm(hh, eps=config.rms_norm_eps)
         self.factor_input_proj = nn.Linear(3 * hh, hh)
         self.out_head = nn.Linear(hh, f)
         self.in_head = nn.Linear(hh, f)
@@ -346,6 +331,88 @@ class LiLiCorrReranker(nn.Module):
         start = s * torch.einsum("af,akf->ak", anchor_out, into[:, 0])
         pair = s * torch.einsum("atif,atjf->atij", out[:, :-1], into[:, 1:])
         return start, pair
+
+
+    # --- training: rows from the head loop, the lattice after it
+    def head_inputs(self, batch: TrainInputs) -> tuple[Tensor, ...]:
+        return ()  # called in the loop, with nothing of its own per row
+
+    def head_chunk(self, chunk: HeadChunk) -> ChunkResult:
+        """What the lattice needs of rows whose full logits exist only here: the candidate ids `[R, K]`, their logits
+        `[R, K]`, the logsumexp `[R]` and softmax(logits) @ head `[R, H]` (l's gradient to the hidden state)."""
+        ids = chunk.top_ids[:, : self.top_k]
+        probs = torch.exp(chunk.logits - chunk.lse).to(chunk.head.dtype)
+        expected = F.linear(probs, chunk.head_t)  # [R, H]
+        return ChunkResult(rows=(ids, chunk.logits.gather(1, ids), chunk.lse[:, 0], expected))
+
+    def loss(self, batch: TrainInputs, head: HeadOutput | None, settings: Any) -> PartOutput:
+        """The lattice terms of every block at once (fixed shapes, masks, no host sync); `PartOutput.rows` =
+        (start, pair, candidate ids) for the metric."""
+        if batch.final_hidden is None:
+            raise ValueError("lilicorr: the distractor penalty needs the target's final hidden states "
+                             "(final_hidden), and the batch has none")
+        a, b = batch.labels.shape
+        ids, logits, lse, expected = (t.unflatten(0, (a, b - 1)) for t in head.rows)  # [A, S, ...]
+        hidden = batch.hidden[:, 1:]  # [A, S, H]
+        log_probs = candidate_log_probs(hidden, logits, lse, batch.head_weight, ids, expected)
+        previous = (batch.anchors - 1).clamp_min(0)
+        anchor_valid = batch.anchor_valid & (batch.position_ids[batch.anchors] > 0)  # p = 0: no c_{p-1}
+        start, pair = self.scores(batch.embed_weight[ids], log_probs, hidden, batch.context[previous], anchor_valid)
+        z = target_candidate_logits(batch.final_hidden[batch.before[:, 1:]], batch.head_weight, ids)
+        out = lattice_loss(start, pair, ids, batch.labels[:, 1:], batch.supervised[:, 1:], z, self.settings)
+        logs = {"lilicorr/loss": out.total.detach(), "lilicorr/ce": out.ce.detach(),
+                "lilicorr/margin": out.margin.detach(), "lilicorr/penalty": out.penalty.detach(),
+                "lilicorr/supervised": out.supervised.float().mean()}
+        return PartOutput(loss=out.total, logs=logs, rows=(start.detach(), pair.detach(), ids))
+
+    @classmethod
+    def metric(cls, block_size: int) -> Metric:
+        return LiLiCorrMetrics()
+
+    # --- decoding
+    @torch.no_grad()
+    def draft(self, inputs: DraftInputs) -> tuple[Tensor, Tensor | None]:
+        """The walk over one block's lattice (no unary prior): greedy, or sampled with q = softmax(row / T) over the
+        K candidates, scattered into `[B-1, V]`."""
+        logits = inputs.logits
+        ids = unary_top_k(logits, self.top_k)  # [S, K]
+        log_probs = candidate_log_probs(inputs.hidden, logits.gather(1, ids), logits.float().logsumexp(-1))
+        valid = torch.tensor([inputs.context_last is not None], device=logits.device)
+        anchor = inputs.hidden.new_zeros(1, inputs.hidden.shape[-1]) if inputs.context_last is None else \
+            inputs.context_last.reshape(1, -1)
+        start, pair = self.scores(inputs.embed_weight[ids][None], log_probs[None], inputs.hidden[None], anchor, valid)
+        if inputs.temperature == 0:
+            return ids.gather(1, greedy_walk(start, pair)[0, :, None])[:, 0], None
+        picks, q = sampled_walk(start, pair, inputs.temperature, generator=inputs.generator)
+        dist = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device).scatter_(1, ids, q[0].float())
+        return ids.gather(1, picks[0, :, None])[:, 0], dist
+
+    # --- export and import
+    @classmethod
+    def export_fields(cls, settings: LiLiCorrSettings) -> dict[str, Any]:
+        """`lilicorr_enabled: true` and the eight geometry fields (floats as floats: the engines cast, ModelOpt and
+        the engines' configs write them so)."""
+        out: dict[str, Any] = {"lilicorr_enabled": True}
+        for key, name in cls.config_fields.items():
+            value = getattr(settings, name)
+            out[key] = float(value) if name in FLOAT_GEOMETRY else int(value)
+        return out
+
+    @classmethod
+    def read_fields(cls, dflash: dict[str, Any], source: str) -> LiLiCorrSettings:
+        """The geometry from a folder (all eight required, as SGLang requires them); loss weights at their defaults."""
+        if dflash.get("lilicorr_enabled") is not True:
+            raise ConfigError(f"{source}: dflash_config.lilicorr_enabled must be true in a LiLiCorr folder, got "
+                              f"{dflash.get('lilicorr_enabled')!r}")
+        missing = [f"dflash_config.{key}" for key in cls.config_fields if key not in dflash]
+        if missing:
+            raise ConfigError(f"{source}: a LiLiCorr folder lacks {', '.join(missing)}")
+        settings = super().read_fields(dflash, source)
+        try:
+            settings.check(None)
+        except ConfigError as e:
+            raise ConfigError(f"{source}: {e}") from None
+        return settings
 
 
 # ---- walks ------------------------------------------------------------------------------------------------------
@@ -477,9 +544,11 @@ class LiLiCorrMetrics(Metric):
         for name in ("walk", "argmax", "oracle", "blocks", "recalled", "slots", "spread"):
             self.add_state(name, torch.zeros(()), dist_reduce_fx="sum")
 
-    def update(self, start: Tensor, pair: Tensor, candidates: Tensor, labels: Tensor, slot_supervised: Tensor) -> None:
-        """One batch: scores, `candidates [A, S, K]`, `labels [A, S]` and section 4's mask `[A, S]`."""
-        start, pair = start.detach(), pair.detach()
+    def update(self, rows: tuple[Tensor, Tensor, Tensor], labels: Tensor, supervised: Tensor) -> None:
+        """One batch: rows = (start `[A, K]`, pair `[A, S-1, K, K]`, candidate ids `[A, S, K]`) of the part's loss,
+        `labels [A, B]` and section 4's mask `[A, B]` (slot 0 never counts)."""
+        start, pair, candidates = (t.detach() for t in rows)
+        labels, slot_supervised = labels[:, 1:], supervised[:, 1:]
         walk = candidates.gather(-1, greedy_walk(start, pair)[..., None])[..., 0]  # [A, S] token ids
         in_lattice = (candidates == labels[..., None]).any(-1)
         block = slot_supervised[:, 0]
@@ -499,8 +568,7 @@ class LiLiCorrMetrics(Metric):
 
 
 __all__ = [
-    "ARCHITECTURE", "GEOMETRY", "LatticeLoss", "LiLiCorrMetrics", "LiLiCorrReranker", "LiLiCorrSettings",
-    "attention_bias", "candidate_features", "candidate_log_probs", "export_fields", "greedy_walk", "lattice_loss",
-    "sampled_walk", "settings_from_dflash_config", "supervised_slots", "target_candidate_logits", "teacher_rows",
-    "weight_shapes",
+    "GEOMETRY", "LatticeLoss", "LiLiCorrMetrics", "LiLiCorrReranker", "LiLiCorrSettings", "attention_bias",
+    "candidate_features", "candidate_log_probs", "greedy_walk", "lattice_loss", "sampled_walk", "supervised_slots",
+    "target_candidate_logits", "teacher_rows", "weight_shapes",
 ]
