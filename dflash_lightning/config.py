@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from dflash_lightning.errors import ConfigError
 from dflash_lightning.parts.convolutions import ConvSettings
+from dflash_lightning.parts.lilicorr import LiLiCorrSettings
 from dflash_lightning.parts.presets import DEFAULT_VARIANT, PRESETS, Preset, preset
 from dflash_lightning.parts.selector import SelectorSettings
 
@@ -29,7 +30,7 @@ LEGACY_FIELDS = {
 LEGACY_RECORD = {f"drafter.{old}": f"drafter.{part}.{name}" for old, (part, name) in LEGACY_FIELDS.items()} | {
     "model.selector_alpha": "drafter.selector.loss_weight"}
 # Settings field -> its dataclass: each part's, nested under the drafter's config.
-PART_SETTINGS = {"conv": ConvSettings, "selector": SelectorSettings}
+PART_SETTINGS = {"conv": ConvSettings, "selector": SelectorSettings, "lilicorr": LiLiCorrSettings}
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -87,12 +88,16 @@ class DrafterConfig:
     default); true or false: every layer."""
 
     variant: Literal[VARIANTS] = DEFAULT_VARIANT  # type: ignore[valid-type]
-    """The preset of parts on the DFlash backbone: `dflash`; `dflash2`, + block convolutions and a candidate selector
-    (docs/method.md 10). A part's settings below are read only by a variant that has the part."""
+    """The preset of parts on the DFlash backbone (docs/parts.md): `dflash`; `dflash2`, + block convolutions and a
+    candidate selector (docs/method.md 10); `lilicorr`, + a candidate-lattice reranker (section 11);
+    `lilicorr-conv`, + the reranker and the block convolutions. A part's settings below are read only by a variant
+    that has the part."""
     conv: ConvSettings = field(default_factory=ConvSettings)
-    """Block convolutions (dflash2)."""
+    """Block convolutions (dflash2, lilicorr-conv)."""
     selector: SelectorSettings = field(default_factory=SelectorSettings)
     """Candidate selector (dflash2)."""
+    lilicorr: LiLiCorrSettings = field(default_factory=LiLiCorrSettings)
+    """Candidate-lattice reranker (lilicorr, lilicorr-conv)."""
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Unpickle a config of any version (a checkpoint's hyper-parameters), the flat fields of old ones moved."""

@@ -207,9 +207,10 @@ class Part(nn.Module):
     def reset_parameters(self) -> None:
         """The part's initialisation (called after the backbone's, so a part's own init wins)."""
 
-    def owns(self, key: str) -> bool:
-        """Whether a weight name of the drafter's state dict is this part's."""
-        return self.weight_prefix is not None and key.startswith(self.weight_prefix + ".")
+    @classmethod
+    def owns(cls, key: str) -> bool:
+        """Whether a weight name of a drafter's state dict is this part's."""
+        return cls.weight_prefix is not None and key.startswith(cls.weight_prefix + ".")
 
     # --- training
     def head_params(self) -> tuple[Tensor, ...]:
