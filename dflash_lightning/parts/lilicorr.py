@@ -253,6 +253,7 @@ class LiLiCorrReranker(Part):
     needs_final_hidden = True  # L_pen reads the target's logits at the candidates
     decodes = True
     head_rows = 4  # candidate ids, their logits, the row's logsumexp, softmax(logits) @ head
+    fp8_exempt = True  # the lattice (13% of the drafter's FLOPs) stays bf16 under model.fp8=all: FP8 unmeasured
 
     def __init__(self, config: Any) -> None:
         """`config`: the resolved drafter config (hidden_size, block_size, rms_norm_eps and the `lilicorr` settings)."""
