@@ -181,3 +181,45 @@ def test_a_lilicorr_checkpoint_exports_and_imports(lilicorr_run, tmp_path):
     cfg, state = import_folder(folder)
     assert cfg.variant == "lilicorr-conv" and cfg.lilicorr.candidate_topk == 4
     assert any(k.startswith("lilicorr.layers.0.attn.in_proj_weight") for k in state)
+
+
+def test_compiled_lilicorr_step_equals_the_eager_one_without_recompiling(tiny_target):
+    """`model.compile` compiles the lattice's terms too (`Part.compile_hooks`): the same loss and gradients as eager,
+    and a second batch of other anchors and labels reuses the graphs; a batch without the final hidden states is
+    refused naming the variant."""
+    from dataclasses import replace
+
+    from test_module import batch_with_features
+    from torch._dynamo.utils import counters
+
+    from dflash_lightning.config import DrafterConfig
+    from dflash_lightning.module import DFlashModule
+
+    # K 16 of the tiny target's 60 tokens: an untrained drafter's labels are often among its candidates
+    drafter = DrafterConfig(num_layers=2, block_size=8,
+                            **{**LILICORR_CONV, "lilicorr": replace(LATTICE, candidate_topk=16)})
+    modules = []
+    for compile in (False, True):
+        torch.manual_seed(0)
+        module = DFlashModule(str(tiny_target), replace(drafter), token_budget=64, num_anchors=8, compile=compile)
+        module.configure_model()
+        modules.append(module)
+    eager, compiled = modules
+    compiled.load_state_dict(eager.state_dict())
+    batch = batch_with_features(tiny_target, eager.drafter_config.target_layer_ids)
+    with pytest.raises(RuntimeError, match="model.drafter.variant 'lilicorr-conv' needs the target's final hidden"):
+        eager.step(batch)
+    batch["final_hidden"] = torch.randn(64, 64, generator=torch.Generator().manual_seed(1))
+    counters.clear()
+    for seed in (3, 4):
+        outs = [m.step(batch, generator=torch.Generator().manual_seed(seed)) for m in (eager, compiled)]
+        for m, out in zip((eager, compiled), outs, strict=True):
+            m.drafter.zero_grad()
+            out.loss.backward()
+        torch.testing.assert_close(outs[0].loss, outs[1].loss, rtol=1e-5, atol=1e-5)
+        for name in ("lilicorr.in_head.weight", "fc.weight", "layers.0.mlp_conv.kernel_projection.weight"):
+            grads = [m.drafter.get_parameter(name).grad for m in (eager, compiled)]
+            torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-6)
+        assert float(outs[0].parts["lilicorr"].logs["lilicorr/supervised"]) > 0  # the lattice loss is not empty
+    assert compiled.drafter.lilicorr.lattice_terms is not eager.drafter.lilicorr.lattice_terms
+    assert not counters["recompiles"], dict(counters["recompiles"])

@@ -213,6 +213,10 @@ class Part(nn.Module):
         return cls.weight_prefix is not None and key.startswith(cls.weight_prefix + ".")
 
     # --- training
+    def compile_hooks(self, mode: str | None = None) -> None:
+        """Compile the part's own training work in place at fixed shapes (`model.compile`; the head loop, and the
+        modules it adds to the layers, are compiled with the backbone's); nothing by default."""
+
     def head_params(self) -> tuple[Tensor, ...]:
         """Parameters whose gradients `head_chunk` accumulates by hand (in `HeadChunk.grads`)."""
         return ()
