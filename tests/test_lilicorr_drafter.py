@@ -223,3 +223,19 @@ def test_compiled_lilicorr_step_equals_the_eager_one_without_recompiling(tiny_ta
         assert float(outs[0].parts["lilicorr"].logs["lilicorr/supervised"]) > 0  # the lattice loss is not empty
     assert compiled.drafter.lilicorr.lattice_terms is not eager.drafter.lilicorr.lattice_terms
     assert not counters["recompiles"], dict(counters["recompiles"])
+
+
+def test_evaluate_walks_a_lilicorr_checkpoint_greedy_and_sampled(lilicorr_run, tmp_path):
+    """`evaluate` on the fit's checkpoint: greedy walks reproduce the target's own output, sampled walks (q over the K
+    candidates) are verified and counted like any drafts."""
+    from dflash_lightning.commands.evaluate import main
+
+    _, root = lilicorr_run
+    out = tmp_path / "eval"
+    main(["--drafter", str(root / "runs" / "checkpoints" / "last.ckpt"), "--prompts", str(root / "val.jsonl"),
+          "--out", str(out), "--max_new_tokens", "12", "--num_prompts", "3", "--device", "cpu", "--dtype", "float32",
+          "--temperature", "0,1", "--seed", "3"])
+    greedy, sampled = json.loads((out / "report.json").read_text())["per_temperature"].values()
+    assert greedy["mismatches"] == 0 and greedy["num_prompts"] == sampled["num_prompts"] == 3
+    for run in (greedy, sampled):
+        assert sum(run["acceptance_histogram"]) == run["steps"] > 0 and 1 <= run["expected_tau_pooled"] <= 8
