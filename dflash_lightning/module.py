@@ -528,14 +528,15 @@ def warm_start(drafter: DFlashDrafter, path: str) -> None:
             if k not in skip and k.split(".")[0] not in unshared and v != flat.get(k)]
     if diff:
         raise ConfigError(f"model.init_from '{path}': its drafter differs from this run's in {', '.join(diff)}")
-    lost = [p for p in theirs - ours if p.changes_backbone]
+    only_theirs = [p for p in cfg.preset.parts if p not in ours]  # in preset order: messages repeat
+    lost = [p for p in only_theirs if p.changes_backbone]
     if lost:
         raise ConfigError(f"model.init_from '{path}': a {cfg.variant} drafter cannot start a {mine.variant} run: "
                           f"its {', '.join(p.name for p in lost)} part(s) change the backbone this run lacks")
     if theirs == ours:
         drafter.load_state_dict(state)
         return
-    dropped = [k for k in state if any(p.owns(k) for p in theirs - ours)]
+    dropped = [k for k in state if any(p.owns(k) for p in only_theirs)]
     kept = {k: v for k, v in state.items() if k not in dropped}
     missing, unexpected = drafter.load_state_dict(kept, strict=False)
     fresh = [p for p in drafter.parts if type(p) in ours - theirs]
@@ -544,5 +545,5 @@ def warm_start(drafter: DFlashDrafter, path: str) -> None:
         raise ConfigError(f"model.init_from '{path}': unexpected keys {unexpected}, missing {extra}")
     if dropped:
         rank_zero_info(f"model.init_from '{path}': the {cfg.variant} drafter's "
-                       f"{', '.join(p.name for p in theirs - ours)} weights are not used by this "
+                       f"{', '.join(p.name for p in only_theirs)} weights are not used by this "
                        f"{mine.variant} run ({len(dropped)} tensors)")

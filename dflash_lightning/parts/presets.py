@@ -64,10 +64,10 @@ def variant_of_folder(architectures: Any, dflash: dict[str, Any], source: str) -
     if not isinstance(architectures, list) or len(architectures) != 1 or architectures[0] not in known:
         raise ConfigError(f"{source}: architectures {architectures} is not one of {[[name] for name in known]}")
     name = architectures[0]
-    present = {part for part in ALL_PARTS if part.present_fields(dflash)}
+    present = [part for part in ALL_PARTS if part.present_fields(dflash)]  # in the table's order: messages repeat
     candidates = {v: p for v, p in PRESETS.items() if p.architecture == name}
     for variant, p in candidates.items():
-        if set(p.parts) == present or (present <= set(p.parts) and len(candidates) == 1):
+        if set(p.parts) == set(present) or (set(present) <= set(p.parts) and len(candidates) == 1):
             missing = [f"dflash_config.{k}" for part in p.parts for k in part.config_fields if dflash.get(k) is None]
             if missing:
                 raise ConfigError(f"{source}: a {name} lacks {', '.join(missing)}")
