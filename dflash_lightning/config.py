@@ -5,19 +5,32 @@ Every size the drafter shares with the target is read from the target's config u
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+import copy
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import Any, Literal
+
+from dflash_lightning.errors import ConfigError
+from dflash_lightning.parts.convolutions import ConvSettings
+from dflash_lightning.parts.lilicorr import LiLiCorrSettings
+from dflash_lightning.parts.presets import DEFAULT_VARIANT, PRESETS, Preset, preset
+from dflash_lightning.parts.selector import SelectorSettings
 
 # Loss decay per block size (docs/method.md section 4); other block sizes must set gamma explicitly.
 DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 # Attention types of a drafter layer, named as config.json's `layer_types` names them (docs/method.md section 3b).
 LAYER_TYPES = ("full_attention", "sliding_attention")
-# Drafter variants (docs/method.md section 10): DFlash, and DFlash2 = DFlash + block convolutions + a selector.
-VARIANTS = ("dflash", "dflash2")
-
-
-class ConfigError(ValueError):
-    """A configuration value that cannot work, named by its field."""
+# Drafter variants: the presets of parts (parts/presets.py).
+VARIANTS = tuple(PRESETS)
+# Flat fields of drafter configs written before parts had their own settings -> their place now.
+LEGACY_FIELDS = {
+    "conv_kernel_size": ("conv", "kernel_size"), "conv_group_size": ("conv", "group_size"),
+    "selector_rank": ("selector", "rank"), "selector_top_k": ("selector", "top_k"),
+}
+# Run-record keys of those (and of the selector's loss weight, once a module argument) -> their keys now.
+LEGACY_RECORD = {f"drafter.{old}": f"drafter.{part}.{name}" for old, (part, name) in LEGACY_FIELDS.items()} | {
+    "model.selector_alpha": "drafter.selector.loss_weight"}
+# Settings field -> its dataclass: each part's, nested under the drafter's config.
+PART_SETTINGS = {"conv": ConvSettings, "selector": SelectorSettings, "lilicorr": LiLiCorrSettings}
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -74,21 +87,33 @@ class DrafterConfig:
     """Causal attention inside the block; None: sliding layers causal, full layers bidirectional (the reference's
     default); true or false: every layer."""
 
-    variant: Literal["dflash", "dflash2"] = "dflash"
-    """`dflash`, or `dflash2`: the same drafter plus block convolutions and a candidate selector (docs/method.md 10)."""
-    conv_kernel_size: int = 2
-    """DFlash2: taps k of each block convolution (slot t reads slots t-k+1..t of its own block)."""
-    conv_group_size: int = 16
-    """DFlash2: channels g that share one dynamic tap (hidden_size must be divisible by it)."""
-    selector_rank: int = 256
-    """DFlash2: rank r of the candidate selector's codebooks."""
-    selector_top_k: int = 16
-    """DFlash2: candidates K the selector re-ranks, the unary top K of each slot."""
+    variant: Literal[VARIANTS] = DEFAULT_VARIANT  # type: ignore[valid-type]
+    """The preset of parts on the DFlash backbone (docs/parts.md): `dflash`; `dflash2`, + block convolutions and a
+    candidate selector (docs/method.md 10); `lilicorr`, + a candidate-lattice reranker (section 11);
+    `lilicorr-conv`, + the reranker and the block convolutions. A part's settings below are read only by a variant
+    that has the part."""
+    conv: ConvSettings = field(default_factory=ConvSettings)
+    """Block convolutions (dflash2, lilicorr-conv)."""
+    selector: SelectorSettings = field(default_factory=SelectorSettings)
+    """Candidate selector (dflash2)."""
+    lilicorr: LiLiCorrSettings = field(default_factory=LiLiCorrSettings)
+    """Candidate-lattice reranker (lilicorr, lilicorr-conv)."""
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Unpickle a config of any version (a checkpoint's hyper-parameters), the flat fields of old ones moved."""
+        self.__dict__.update(upgrade_fields(state))
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> DrafterConfig:
+        """A config from `to_dict`'s output (a checkpoint's `drafter_config`, of this version or an older one)."""
+        values = upgrade_fields(values)
+        return cls(**{k: PART_SETTINGS[k](**v) if k in PART_SETTINGS and isinstance(v, dict) else v
+                      for k, v in values.items()})
 
     @property
-    def is_dflash2(self) -> bool:
-        """Whether the drafter has DFlash2's convolutions and candidate selector."""
-        return self.variant == "dflash2"
+    def preset(self) -> Preset:
+        """The variant's preset: its parts, architecture name and serve commands."""
+        return preset(self.variant)
 
     def resolved(
         self, target_config: Any, tokenizer_len: int | None = None, reserved_ids: list[int] | tuple = ()
@@ -114,7 +139,7 @@ class DrafterConfig:
             vocab_size=self.vocab_size or text.vocab_size,
             num_target_layers=self.num_target_layers or text.num_hidden_layers,
         )
-        out = DrafterConfig(**{**asdict(self), **values})
+        out = DrafterConfig(**{**{f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self)}, **values})
         if out.hidden_size != text.hidden_size:
             raise ConfigError(
                 f"drafter hidden_size ({out.hidden_size}) must equal the target's hidden_size "
@@ -203,22 +228,8 @@ class DrafterConfig:
             )
 
     def _check_variant(self) -> None:
-        if self.variant not in VARIANTS:
-            raise ConfigError(f"variant: unknown drafter variant {self.variant!r}; use {' or '.join(VARIANTS)}")
-        if not self.is_dflash2:
-            return
-        if not 1 <= self.conv_kernel_size <= self.block_size:
-            raise ConfigError(
-                f"conv_kernel_size must be in 1..block_size ({self.block_size}), got {self.conv_kernel_size}"
-            )
-        if self.conv_group_size < 1 or (self.hidden_size is not None and self.hidden_size % self.conv_group_size):
-            raise ConfigError(
-                f"conv_group_size ({self.conv_group_size}) must be >= 1 and divide hidden_size ({self.hidden_size})"
-            )
-        if self.selector_rank < 1:
-            raise ConfigError(f"selector_rank must be >= 1, got {self.selector_rank}")
-        if not 2 <= self.selector_top_k <= (self.vocab_size or self.selector_top_k):
-            raise ConfigError(f"selector_top_k must be in 2..vocab_size ({self.vocab_size}), got {self.selector_top_k}")
+        for part in self.preset.parts:  # a part's settings are checked where the variant has the part
+            getattr(self, part.name).check(self)
 
     def attention_rule(self, layer: int) -> tuple[int | None, bool]:
         """(window W or None, causal inside the block) of a drafter layer: the mask it attends under."""
@@ -238,8 +249,54 @@ class DrafterConfig:
         return self.gamma if self.gamma is not None else DEFAULT_GAMMA[self.block_size]
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain dict of every field (for checkpoints and export)."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        """Plain dict of every field, a part's settings as a dict (for checkpoints; `from_dict` reads it back)."""
+        return {f.name: _plain(getattr(self, f.name)) for f in fields(self)}
+
+    def flat_dict(self) -> dict[str, Any]:
+        """Every field as `name` or `part.field` -> value (the run record's keys)."""
+        out = {}
+        for name, value in self.to_dict().items():
+            if name in PART_SETTINGS:
+                out |= {f"{name}.{k}": v for k, v in value.items()}
+            else:
+                out[name] = value
+        return out
+
+    def training_fields(self) -> list[str]:
+        """Fields that are training choices a drafter's weights do not depend on (gamma, parts' loss weights)."""
+        out = ["gamma"]
+        for part in self.preset.parts:
+            shape = set(part.config_fields.values())
+            out += [f"{part.name}.{f.name}" for f in fields(getattr(self, part.name)) if f.name not in shape]
+        return out
+
+
+def _plain(value: Any) -> Any:
+    return asdict(value) if is_dataclass(value) else value
+
+
+def upgrade_record(record: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A checkpoint's run record (`drafter.<field>` ...) with the keys of an older version's flat part fields moved."""
+    if record is None or not any(k in LEGACY_RECORD for k in record):
+        return record
+    return {LEGACY_RECORD.get(k, k): v for k, v in record.items()}
+
+
+def upgrade_fields(values: dict[str, Any]) -> dict[str, Any]:
+    """A drafter config's fields with the flat part fields of configs written before parts (`conv_kernel_size`
+    ...) moved into the parts' settings; a config of this version comes back as it is."""
+    if not any(k in LEGACY_FIELDS for k in values):
+        return values
+    out = {k: v for k, v in values.items() if k not in LEGACY_FIELDS}
+    for old, (part, name) in LEGACY_FIELDS.items():
+        if old in values:
+            settings = out.get(part)
+            settings = asdict(settings) if is_dataclass(settings) else dict(settings or {})
+            out[part] = {**settings, name: values[old]}
+    for part, kind in PART_SETTINGS.items():
+        if isinstance(out.get(part), dict):
+            out[part] = kind(**out[part])
+    return out
 
 
 def _rope_settings(text_config: Any) -> tuple[float, dict[str, Any] | None]:
@@ -258,4 +315,4 @@ def _rope_settings(text_config: Any) -> tuple[float, dict[str, Any] | None]:
     return theta, (dict(scaling) if scaling else None)
 
 
-__all__ = ["VARIANTS", "ConfigError", "DrafterConfig", "default_target_layer_ids"]
+__all__ = ["VARIANTS", "ConfigError", "DrafterConfig", "default_target_layer_ids", "upgrade_fields", "upgrade_record"]

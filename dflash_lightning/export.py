@@ -24,10 +24,12 @@ import torch
 from torch import Tensor
 
 from dflash_lightning.config import ConfigError, DrafterConfig, _rope_settings
+from dflash_lightning.hf.modeling_dflash import __all__ as REMOTE_CLASSES
 from dflash_lightning.long_runs.atomic import write_dir_atomic
 from dflash_lightning.long_runs.checkpointing import CheckpointError, load_checkpoint, nonfinite_weights
 from dflash_lightning.long_runs.distributed_checkpoint import is_distributed_checkpoint
 from dflash_lightning.model import DFlashDrafter
+from dflash_lightning.parts.presets import preset, variant_of_folder
 from dflash_lightning.target_model import DTYPES, load_target_config, load_target_io, weight_map
 
 log = logging.getLogger(__name__)
@@ -43,10 +45,6 @@ REQUIRED_FIELDS = (
     "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
     "rms_norm_eps", "max_position_embeddings", "vocab_size", "num_target_layers", "block_size",
 )
-# DFlash2 (docs/method.md section 10): its architecture name (what vLLM and SGLang pick its loader by) and the
-# dflash_config fields it adds; a DFlash folder has neither.
-ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
-DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 DType = Literal["bfloat16", "float16", "float32"]
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 # Lightning precision -> the dtype the drafter's forward ran in, which is what it is served in.
@@ -74,14 +72,19 @@ def hf_config(cfg: DrafterConfig, dtype: DType) -> dict[str, Any]:
     attention = {"use_sliding_window": sliding, "sliding_window": cfg.sliding_window if sliding else None}
     if cfg.is_causal is not None:
         attention["is_causal"] = cfg.is_causal
-    architecture = ARCHITECTURES[cfg.variant]
+    preset = cfg.preset  # its architecture name (what vLLM and SGLang pick the loader by) and its parts' fields
+    architecture = preset.architecture
     dflash = {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)}
-    if cfg.is_dflash2:
-        dflash |= {k: getattr(cfg, k) for k in DFLASH2_FIELDS}
+    top_level = {}
+    for part in preset.parts:
+        dflash |= part.export_fields(getattr(cfg, part.name))
+        top_level |= part.top_level_fields(getattr(cfg, part.name))
     return {
         "architectures": [architecture],
         "model_type": "qwen3",
-        "auto_map": {"AutoModel": f"{MODELING_FILE.stem}.{architecture}"},
+        # transformers' trust_remote_code class, where the modelling file has one for the architecture
+        **({"auto_map": {"AutoModel": f"{MODELING_FILE.stem}.{architecture}"}} if architecture in REMOTE_CLASSES
+           else {}),
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
         "num_hidden_layers": cfg.num_layers,
@@ -100,6 +103,7 @@ def hf_config(cfg: DrafterConfig, dtype: DType) -> dict[str, Any]:
         **attention,
         "num_target_layers": cfg.num_target_layers,
         "block_size": cfg.block_size,
+        **top_level,
         "dflash_config": dflash,
         "dtype": dtype,
     }
@@ -112,12 +116,14 @@ def serve_commands(folder: str | Path, cfg: DrafterConfig, target: str | None = 
     `block_size` itself; the flag states it anyway, so the command says what is served.
     """
     model = shlex.quote(str(target)) if target else "TARGET_MODEL"
-    spec = json.dumps({"method": "dflash", "model": str(folder), "num_speculative_tokens": cfg.block_size - 1})
+    spec = json.dumps({"method": cfg.preset.vllm_method, "model": str(folder),
+                       "num_speculative_tokens": cfg.block_size - 1})
     draft = shlex.quote(str(folder))
     return {
         "vllm": f"vllm serve {model} --speculative-config {shlex.quote(spec)}",
         "sglang": (
-            f"python -m sglang.launch_server --model-path {model} --speculative-algorithm DFLASH "
+            f"python -m sglang.launch_server --model-path {model} "
+            f"--speculative-algorithm {cfg.preset.sglang_algorithm} "
             f"--speculative-draft-model-path {draft} --speculative-dflash-block-size {cfg.block_size}"
         ),
     }
@@ -158,7 +164,8 @@ def config_from_hf(raw: dict[str, Any]) -> DrafterConfig:
     dtype = raw.get("dtype", raw.get("torch_dtype"))
     if dtype is not None and dtype not in DTYPES:
         raise ConfigError(f"drafter config.json: dtype {dtype!r} is not one of {sorted(DTYPES)}")
-    variant = _variant(raw, dflash)
+    variant = variant_of_folder(raw.get("architectures"), dflash, "drafter config.json")
+    parts = {part.name: part.read_fields(dflash, "drafter config.json") for part in preset(variant).parts}
     rope_theta, rope_scaling = _rope_settings(SimpleNamespace(**raw))
     layer_types, window = _attention_fields(raw)
     cfg = DrafterConfig(
@@ -172,34 +179,19 @@ def config_from_hf(raw: dict[str, Any]) -> DrafterConfig:
         num_target_layers=raw["num_target_layers"], attention_bias=bool(raw.get("attention_bias", False)),
         layer_types=layer_types, sliding_window=window,
         is_causal=None if raw.get("is_causal") is None else bool(raw["is_causal"]),
-        variant=variant, **({k: int(dflash[k]) for k in DFLASH2_FIELDS} if variant == "dflash2" else {}),
+        variant=variant, **parts,
     )
-    # gamma is a training choice a folder does not carry; check everything else.
-    replace(cfg, gamma=cfg.gamma or 1.0).check()
+    # gamma is a training choice a folder does not carry; check everything else, naming a part's field as the
+    # folder does
+    try:
+        replace(cfg, gamma=cfg.gamma or 1.0).check()
+    except ConfigError as err:
+        message = str(err)
+        for part in cfg.preset.parts:
+            for key, name in part.config_fields.items():
+                message = message.replace(f"{part.name}.{name}", f"dflash_config.{key}")
+        raise ConfigError(f"drafter config.json: {message}") from err
     return cfg
-
-
-def _variant(raw: dict[str, Any], dflash: dict[str, Any]) -> str:
-    """The drafter variant of a config.json: its architecture, which must agree with the DFlash2 fields it holds
-    (the engines build the convolutions from those fields and the selector from the architecture)."""
-    architectures = raw.get("architectures") or [ARCHITECTURES["dflash"]]
-    known = {name: variant for variant, name in ARCHITECTURES.items()}
-    if len(architectures) != 1 or architectures[0] not in known:
-        raise ConfigError(f"drafter config.json: architectures {architectures} is not one of "
-                          f"{[[name] for name in known]}")
-    variant = known[architectures[0]]
-    present = [k for k in DFLASH2_FIELDS if dflash.get(k) is not None]
-    if variant == "dflash2" and len(present) < len(DFLASH2_FIELDS):
-        missing = [f"dflash_config.{k}" for k in DFLASH2_FIELDS if k not in present]
-        raise ConfigError(f"drafter config.json: a DFlash2DraftModel lacks {', '.join(missing)}")
-    if variant == "dflash" and present:
-        raise ConfigError(f"drafter config.json: a DFlashDraftModel has DFlash2 field(s) "
-                          f"{', '.join('dflash_config.' + k for k in present)}; set architectures to "
-                          "[\"DFlash2DraftModel\"] or remove them")
-    for k in present:
-        if type(dflash[k]) is not int:
-            raise ConfigError(f"drafter config.json: dflash_config.{k} must be an integer, got {dflash[k]!r}")
-    return variant
 
 
 def _attention_fields(raw: dict[str, Any]) -> tuple[list[str] | None, int | None]:
@@ -239,7 +231,7 @@ def _read_checkpoint(path: str | Path) -> tuple[DrafterConfig, dict[str, Tensor]
     """`read_checkpoint` plus the Lightning precision the checkpoint was trained at (None if not recorded)."""
     # weights_only=False: the hyper-parameters hold a DrafterConfig object; the file is the user's own.
     ckpt = load_checkpoint(path, weights_only=False, required=("state_dict", "drafter_config"))
-    cfg = DrafterConfig(**ckpt["drafter_config"])
+    cfg = DrafterConfig.from_dict(ckpt["drafter_config"])  # of this version, or flat part fields of an older one
     try:
         cfg.check()
     except ConfigError as err:

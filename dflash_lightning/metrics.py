@@ -15,8 +15,7 @@ class DraftMetrics(Metric):
 
     full_state_update = False
 
-    def __init__(self, block_size: int, topk: tuple[int, ...] = (1, 5, 10), selector: bool = False,
-                 **kwargs) -> None:
+    def __init__(self, block_size: int, topk: tuple[int, ...] = (1, 5, 10), **kwargs) -> None:
         super().__init__(**kwargs)
         if 1 not in topk:
             raise ValueError(f"topk must include 1 (plain accuracy), got {topk}")
@@ -25,15 +24,9 @@ class DraftMetrics(Metric):
         self.add_state("slots", torch.zeros(block_size), dist_reduce_fx="sum")  # [B]
         self.add_state("accepted", torch.zeros(()), dist_reduce_fx="sum")
         self.add_state("blocks", torch.zeros(()), dist_reduce_fx="sum")
-        self.selector = selector  # DFlash2: label recall in the unary top K, the selector's teacher-forced picks
-        if selector:
-            self.add_state("recalled", torch.zeros(block_size), dist_reduce_fx="sum")  # [B]
-            self.add_state("picked", torch.zeros(block_size), dist_reduce_fx="sum")  # [B]
-            self.add_state("selector_accepted", torch.zeros(()), dist_reduce_fx="sum")
 
-    def update(self, top_ids: Tensor, labels: Tensor, weights: Tensor, selector_hits: Tensor | None = None) -> None:
-        """Count hits of `top_ids [A, B, k]` (best first) against `labels [A, B]` where `weights > 0`; DFlash2's
-        `selector_hits [A, B, 2]` are (label in the unary top K, the selector's pick right) per slot."""
+    def update(self, top_ids: Tensor, labels: Tensor, weights: Tensor) -> None:
+        """Count hits of `top_ids [A, B, k]` (best first) against `labels [A, B]` where `weights > 0`."""
         supervised = weights > 0  # [A, B]
         match = top_ids == labels[..., None]  # [A, B, kmax]
         for i, k in enumerate(self.topk):
@@ -44,11 +37,6 @@ class DraftMetrics(Metric):
         valid_block = supervised[:, 1]
         self.accepted += (correct[:, 1:].int().cumprod(-1).sum(-1) * valid_block).sum().float()
         self.blocks += valid_block.sum().float()
-        if self.selector:
-            recalled, picked = (selector_hits[..., 0] & supervised), (selector_hits[..., 1] & supervised)
-            self.recalled += recalled.sum(0).float()
-            self.picked += picked.sum(0).float()
-            self.selector_accepted += (picked[:, 1:].int().cumprod(-1).sum(-1) * valid_block).sum().float()
 
     def compute(self) -> dict[str, Tensor]:
         """acc per slot and top-k, tau (mean accepted prefix + 1) and the coarse product estimate."""
@@ -61,8 +49,4 @@ class DraftMetrics(Metric):
                 out[f"{name}/slot_{slot:02d}"] = acc[i, slot]
         out["tau"] = 1 + self.accepted / self.blocks.clamp_min(1)
         out["tau_coarse"] = 1 + acc[0, 1:].cumprod(0).sum()
-        if self.selector:  # accuracy only where the label was a candidate: training injects it, serving cannot
-            out["selector/recall"] = (self.recalled[1:].sum() / self.slots[1:].sum().clamp_min(1))
-            out["selector/acc"] = self.picked[1:].sum() / self.recalled[1:].sum().clamp_min(1)
-            out["selector/tau"] = 1 + self.selector_accepted / self.blocks.clamp_min(1)
         return out

@@ -8,7 +8,7 @@ non-persistent buffers so that they never enter a checkpoint or an optimizer.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -17,8 +17,8 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from dflash_lightning.blocks import block_input_ids, block_labels, build_block_mask, teacher_positions
 from dflash_lightning.config import DrafterConfig
-from dflash_lightning.dflash2 import BlockConv, CandidateSelector
 from dflash_lightning.loss import LossSettings, chunked_head_loss, rank_mean_weight
+from dflash_lightning.parts.base import HeadOutput, Part, PartOutput, TrainInputs
 
 
 class RMSNorm(nn.Module):
@@ -166,8 +166,8 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm Qwen3 layer; the context skips input_layernorm and the MLP. DFlash2 wraps each sublayer of the block
-    tokens in a `BlockConv` (docs/method.md section 10)."""
+    """Pre-norm Qwen3 layer; the context skips input_layernorm and the MLP. A part may wrap each sublayer of the
+    block tokens (`Part.layer_modules`: the block convolutions, docs/method.md section 10)."""
 
     def __init__(self, config: DrafterConfig) -> None:
         super().__init__()
@@ -175,20 +175,25 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
-        self.attention_conv = BlockConv(config) if config.is_dflash2 else None
-        self.mlp_conv = BlockConv(config) if config.is_dflash2 else None
+        self.wrappers: dict[str, str] = {}  # sublayer -> the attribute of the part's module around it
+        for part in config.preset.parts:
+            for sublayer, (name, module) in part.layer_modules(config).items():
+                if sublayer in self.wrappers:
+                    raise ValueError(f"two parts wrap the {sublayer} of a layer: {self.wrappers[sublayer]}, {name}")
+                self.add_module(name, module)
+                self.wrappers[sublayer] = name
 
     def block_forward(self, x: Tensor, attend: Callable[[Tensor], Tensor]) -> Tensor:
         """The layer over block tokens `x [A*B, H]`; `attend` maps normed block tokens to the attention's output."""
-        x = x + _sublayer(self.attention_conv, self.input_layernorm(x), attend)
-        return x + _sublayer(self.mlp_conv, self.post_attention_layernorm(x), self.mlp)
+        x = x + self._sublayer("attention", self.input_layernorm(x), attend)
+        return x + self._sublayer("mlp", self.post_attention_layernorm(x), self.mlp)
+
+    def _sublayer(self, sublayer: str, x: Tensor, fn: Callable[[Tensor], Tensor]) -> Tensor:
+        name = self.wrappers.get(sublayer)
+        return fn(x) if name is None else getattr(self, name)(x, fn)
 
     def forward(self, x: Tensor, context: Tensor, rope_block, rope_context, block_mask: BlockMask | Tensor) -> Tensor:
         return self.block_forward(x, lambda h: self.self_attn(h, context, rope_block, rope_context, block_mask))
-
-
-def _sublayer(conv: BlockConv | None, x: Tensor, fn: Callable[[Tensor], Tensor]) -> Tensor:
-    return fn(x) if conv is None else conv(x, fn)
 
 
 @dataclass
@@ -207,10 +212,8 @@ class DraftOutput:
     """Target token of every slot.  # [A, B]"""
     topk: Tensor | None
     """Top-k predicted tokens of every slot, best first.  # [A, B, k]"""
-    selector_loss: Tensor | None = None
-    """DFlash2: the selector's weighted K-way CE, sum(w * CE_sel) / sum(w) (no gradient); None for DFlash."""
-    selector_hits: Tensor | None = None
-    """DFlash2: per slot, label in the unary top K and the selector's teacher-forced pick correct.  # [A, B, 2]"""
+    parts: dict[str, PartOutput] = field(default_factory=dict)
+    """Each part's results (its logs and metric inputs), by the part's name."""
 
 
 class DFlashDrafter(nn.Module):
@@ -225,7 +228,10 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(h, config.rms_norm_eps)
-        self.candidate_selector = CandidateSelector(config) if config.is_dflash2 else None
+        self.parts: tuple[Part, ...] = tuple(part(config) for part in config.preset.parts)
+        """The parts of the variant's preset (parts/presets.py), each in its place (`Part.attach`)."""
+        for part in self.parts:
+            part.attach(self)
         self.rotary = RotaryEmbedding(config)
         # The target's embedding and head rows, frozen and never saved: set by `set_target_io`.
         self.register_buffer("embed_weight", None, persistent=False)
@@ -237,7 +243,8 @@ class DFlashDrafter(nn.Module):
         self.reset_parameters()
 
     def compile_blocks(self, mode: str | None = None) -> None:
-        """Compile each decoder layer in place (one graph serves all of them) and the head loss.
+        """Compile each decoder layer in place (one graph serves all of them), the head loss and each part's own
+        training work (`Part.compile_hooks`).
 
         Per-layer graphs compile about n times faster than one graph of the whole drafter and
         keep state-dict keys free of `_orig_mod.`.
@@ -247,6 +254,8 @@ class DFlashDrafter(nn.Module):
         if type(self.fc) is not nn.Linear:  # torchao's float8 linear: its casts fuse only when compiled
             self.fc.compile(mode=mode, dynamic=False)
         self.head_loss = torch.compile(chunked_head_loss, mode=mode, dynamic=False)
+        for part in self.parts:
+            part.compile_hooks(mode)
 
     def reset_parameters(self, std: float = 0.02) -> None:
         """Initialise linear layers as Hugging Face does (normal, std 0.02) and norms to one."""
@@ -257,9 +266,8 @@ class DFlashDrafter(nn.Module):
                     nn.init.zeros_(module.bias)
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
-        for module in self.modules():  # DFlash2's modules: identity convolutions, normal codebooks
-            if isinstance(module, (BlockConv, CandidateSelector)):
-                module.reset_parameters()
+        for part in self.parts:  # each part's own initialisation (identity convolutions, normal codebooks ...)
+            part.reset_parameters()
 
     def set_target_io(self, embed_weight: Tensor, head_weight: Tensor) -> None:
         """Attach the target's frozen input embedding `[V, H]` and output head `[V, H]`."""
@@ -297,6 +305,13 @@ class DFlashDrafter(nn.Module):
         anchors: Tensor, anchor_valid: Tensor,
     ) -> Tensor:
         """Final-normed hidden state of every slot of every anchor's block.  # [A, B, H]"""
+        return self._blocks(features, input_ids, position_ids, doc_ids, anchors, anchor_valid)[0]
+
+    def _blocks(
+        self, features: Tensor, input_ids: Tensor, position_ids: Tensor, doc_ids: Tensor,
+        anchors: Tensor, anchor_valid: Tensor,
+    ) -> tuple[Tensor, Tensor]:
+        """`block_hidden` and the context vectors it attended to.  # [A, B, H], [T, H]"""
         B = self.config.block_size
         context = self.context(features)  # [T, H]
         x = self.embed(block_input_ids(input_ids, anchors, B, self.config.mask_token_id)).flatten(0, 1)  # [A*B, H]
@@ -308,7 +323,7 @@ class DFlashDrafter(nn.Module):
         masks = {rule: build_block_mask(doc_ids, anchors, anchor_valid, B, *rule) for rule in dict.fromkeys(rules)}
         for layer, rule in zip(self.layers, rules, strict=True):
             x = layer(x, context, rope_block, rope_context, masks[rule])
-        return self.norm(x).unflatten(0, (anchors.numel(), B))
+        return self.norm(x).unflatten(0, (anchors.numel(), B)), context
 
     def forward(
         self, features: Tensor, input_ids: Tensor, position_ids: Tensor, doc_ids: Tensor, loss_mask: Tensor,
@@ -318,30 +333,40 @@ class DFlashDrafter(nn.Module):
         """One training forward over a packed batch: blocks, the weighted objective through the chunked frozen head.
 
         `slot_weights [B]` are `blocks.base_slot_weights`; `final_hidden [T, H]` (the target's final normed
-        hidden states) is needed when `loss_settings` distills.
+        hidden states) is needed when `loss_settings` distills or a part `needs_final_hidden`. The parts join in
+        (parts/base.py): inside the head loop (`head_chunk`) and after it (`loss`).
         """
         B, settings = self.config.block_size, self.loss_settings
-        hidden = self.block_hidden(features, input_ids, position_ids, doc_ids, anchors, anchor_valid)
+        hidden, context = self._blocks(features, input_ids, position_ids, doc_ids, anchors, anchor_valid)
         labels, weights = block_labels(input_ids, loss_mask, doc_ids, anchors, anchor_valid, slot_weights)
         # The token before each slot (slot 1: the anchor's), where the target's state that predicts it sits.
         before = teacher_positions(anchors, B, input_ids.numel())  # [A, B]
         head, head_t = self.head_fp8 or (self.head_weight, None)
-        selector = self.candidate_selector
+        batch = TrainInputs(hidden, context, input_ids, position_ids, doc_ids, anchors, anchor_valid, labels,
+                            weights > 0, before, final_hidden, self.embed_weight, self.head_weight)
+        in_loop = [(part, part.head_inputs(batch)) for part in self.parts]
+        in_loop = tuple((part, rows) for part, rows in in_loop if rows is not None)
         # Slot 0 (the anchor, given) has weight 0 under every rule and leaves D-PACE's weights of the others as
         # they are, so it skips the head: A*(B-1) rows, 1/B fewer head FLOPs, still a fixed shape.
-        total, ce, used, top, sel = self.head_loss(
+        total, ce, used, top, from_loop = self.head_loss(
             hidden[:, 1:].flatten(0, 1), head, labels[:, 1:].flatten(), weights[:, 1:].flatten(),
             self.head_chunk_size, topk, B - 1, settings, final_hidden,
-            before[:, 1:].flatten() if settings.distills else None, head_t,
-            None if selector is None else (selector, input_ids[before[:, 1:].flatten()]),
+            before[:, 1:].flatten() if settings.distills else None, head_t, in_loop,
         )
         denominator = rank_mean_weight(used).clamp_min(1e-12)
+        loss = total / denominator
+        heads = {id(part): HeadOutput(logged / denominator, rows)
+                 for (part, _), (logged, rows) in zip(in_loop, from_loop, strict=True)}
+        outputs = {}
+        for part in self.parts:
+            out = part.loss(batch, heads.get(id(part)), settings)
+            if out.loss is not None:
+                loss = loss + out.loss
+            outputs[part.name] = out
         return DraftOutput(
-            loss=total / denominator, ce=ce / denominator, weights=_with_slot_0(used.view(-1, B - 1), 0.0),
+            loss=loss, ce=ce / denominator, weights=_with_slot_0(used.view(-1, B - 1), 0.0),
             supervised=weights > 0, labels=labels,
-            topk=None if top is None else _with_slot_0(top.unflatten(0, (-1, B - 1)), -1),
-            selector_loss=None if sel is None else sel[0] / denominator,
-            selector_hits=None if sel is None else _with_slot_0(sel[1].unflatten(0, (-1, B - 1)), False),
+            topk=None if top is None else _with_slot_0(top.unflatten(0, (-1, B - 1)), -1), parts=outputs,
         )
 
     def logits(self, hidden: Tensor) -> Tensor:

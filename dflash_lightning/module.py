@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from dflash_lightning import lightning_compat as compat
 from dflash_lightning.blocks import anchor_seed, base_slot_weights, select_anchors
-from dflash_lightning.config import ConfigError, DrafterConfig
+from dflash_lightning.config import PART_SETTINGS, ConfigError, DrafterConfig, upgrade_record
 from dflash_lightning.fp8 import Recipe, convert_linears, require_fp8
 from dflash_lightning.long_runs import resume
 from dflash_lightning.loss import LossSettings
@@ -92,7 +92,6 @@ class DFlashModule(LightningModule):
         loss_weights: Literal["decay", "dpace"] = LossSettings.loss_weights,
         dpace_alpha: float = LossSettings.dpace_alpha,
         temperature: float = LossSettings.temperature,
-        selector_alpha: float = LossSettings.selector_alpha,
         init_from: str | None = None,
         accept_target_change: bool = False,
         nonfinite: Literal["skip", "stop"] = "skip",
@@ -103,7 +102,8 @@ class DFlashModule(LightningModule):
         """
         Args:
             target: Hugging Face folder or hub id of the frozen target (linked from `target.path` in the CLI).
-            drafter: Drafter shape; sizes left unset are the target's.
+            drafter: Drafter shape, variant (a preset of parts) and each part's settings; sizes left unset are the
+                target's.
             token_budget: Tokens per packed batch T (linked from `data.token_budget` in the CLI).
             num_anchors: Anchors (blocks) drafted per batch A; unused slots are masked out.
             lr: Peak AdamW learning rate.
@@ -127,10 +127,11 @@ class DFlashModule(LightningModule):
             dpace_alpha: D-PACE smoothing alpha in [0, 1]: s_k = (1 - alpha) * q_k + alpha.
             temperature: Distillation temperature: KL of the softmaxes of logits / temperature, times
                 temperature**2.
-            selector_alpha: DFlash2: weight of the candidate selector's K-way CE beside the unary loss (section 10).
             init_from: Warm start: a drafter `.ckpt` or exported folder (ours or published) whose weights start this
-                run. A DFlash drafter may start a DFlash2 run: its convolutions start as the identity and its selector
-                fresh, so at step 0 both draft the same unary logits. Ignored when a checkpoint is resumed.
+                run. A drafter may start a run of another variant whose backbone is its own: the parts it lacks
+                start at their initialisation (convolutions as the identity, so at step 0 the backbone computes
+                what it did), head-only parts it has and the run lacks are dropped (logged). Ignored when a
+                checkpoint is resumed.
             accept_target_change: Go on (with one logged line) where the checkpoint resumed or validated, or the
                 feature cache read, was made with other target weights of the same config (a fine-tune): by default
                 refused, as the drafter was trained for, or the features come from, the other weights.
@@ -158,7 +159,7 @@ class DFlashModule(LightningModule):
             raise ConfigError(f"num_anchors must be in 1..token_budget ({token_budget}), got {num_anchors}")
         if metrics_every < 1:
             raise ConfigError(f"metrics_every must be >= 1, got {metrics_every}")
-        self.loss_settings = LossSettings(objective, loss_weights, dpace_alpha, temperature, selector_alpha)
+        self.loss_settings = LossSettings(objective, loss_weights, dpace_alpha, temperature)
         if init_from and not Path(init_from).exists():  # before any target or GPU work
             raise ConfigError(f"model.init_from: no drafter checkpoint or folder at '{init_from}'")
         if head_chunk_size < 1:
@@ -171,8 +172,11 @@ class DFlashModule(LightningModule):
             raise ConfigError(f"nonfinite must be skip or stop, got {nonfinite!r}")
         if max_nonfinite_in_a_row < 1:
             raise ConfigError(f"max_nonfinite_in_a_row must be >= 1, got {max_nonfinite_in_a_row}")
-        self.train_metrics = DraftMetrics(cfg.block_size, topk, selector=cfg.is_dflash2)
-        self.val_metrics = DraftMetrics(cfg.block_size, topk, selector=cfg.is_dflash2)
+        self.train_metrics = DraftMetrics(cfg.block_size, topk)
+        self.val_metrics = DraftMetrics(cfg.block_size, topk)
+        # each part's own metrics (parts/base.py `Part.metric`), by the part's name
+        self.train_part_metrics, self.val_part_metrics = (nn.ModuleDict(
+            {p.name: m for p in cfg.preset.parts if (m := p.metric(cfg.block_size)) is not None}) for _ in range(2))
         self.drafter: DFlashDrafter | None = None
         self.buffers_: StepBuffers | None = None
         self._anchor_generator: torch.Generator | None = None
@@ -207,7 +211,7 @@ class DFlashModule(LightningModule):
         self.buffers_ = StepBuffers(
             hp.token_budget, cfg.num_context_layers * cfg.hidden_size,
             base_slot_weights(cfg.block_size, hp.loss_weights, cfg.loss_gamma),
-            cfg.hidden_size if self.loss_settings.distills else 0, dtype,
+            cfg.hidden_size if self.needs_final_hidden else 0, dtype,
         )
         if hp.compile:
             if hp.compile_cache_dir:  # read by inductor at its first compile, which comes after this
@@ -238,9 +242,9 @@ class DFlashModule(LightningModule):
         """Loss (and top-k ids) of one packed batch through the persistent buffers."""
         if "context_features" not in batch:
             raise RuntimeError("batch has no 'context_features': add the TargetFeatures callback to the Trainer")
-        if self.loss_settings.distills and "final_hidden" not in batch:
+        if self.needs_final_hidden and "final_hidden" not in batch:
             raise RuntimeError(
-                f"model.objective '{self.hparams.objective}' needs the target's final hidden states ('final_hidden') "
+                f"{self.final_hidden_reason()} needs the target's final hidden states ('final_hidden') "
                 "in each batch: TargetFeatures adds them; a feature cache must be written with --final_hidden true"
             )
         if self.hparams.fp8 != "none" and self.drafter.head_fp8 is None:  # once, on the device, in its final dtype
@@ -254,6 +258,36 @@ class DFlashModule(LightningModule):
             buf.features, buf.input_ids, buf.position_ids, buf.doc_ids, buf.loss_mask,
             anchors, valid, buf.slot_weights, topk, buf.final_hidden,
         )
+
+    @property
+    def needs_final_hidden(self) -> bool:
+        """Whether training reads the target's final hidden states: the objective distills, or a part needs them."""
+        return self.loss_settings.distills or any(p.needs_final_hidden for p in self.drafter_config.preset.parts)
+
+    def final_hidden_reason(self) -> str:
+        """The setting that makes training read the target's final hidden states, named for an error line."""
+        if self.loss_settings.distills:
+            return f"model.objective '{self.hparams.objective}'"
+        return f"model.drafter.variant '{self.drafter_config.variant}'"
+
+    def update_metrics(self, out: DraftOutput, stage: str) -> None:
+        """Feed one forward's results to the stage's metrics: the backbone's and each part's."""
+        base, parts = (self.train_metrics, self.train_part_metrics) if stage == "train" else (
+            self.val_metrics, self.val_part_metrics)
+        base.update(out.topk, out.labels, out.supervised)
+        for name, metric in parts.items():
+            metric.update(out.parts[name].rows, out.labels, out.supervised)
+
+    def compute_metrics(self, stage: str) -> dict[str, Tensor]:
+        """The stage's metric values (the backbone's, then each part's), and reset them."""
+        base, parts = (self.train_metrics, self.train_part_metrics) if stage == "train" else (
+            self.val_metrics, self.val_part_metrics)
+        values = base.compute()
+        base.reset()
+        for metric in parts.values():
+            values |= metric.compute()
+            metric.reset()
+        return values
 
     def anchor_generator(self, batch: dict[str, Any], batch_idx: int) -> torch.Generator:
         """The generator of this batch's anchors, seeded from the batch's place in the stream: no state to save.
@@ -275,15 +309,14 @@ class DFlashModule(LightningModule):
         out = self.step(batch, max(self.hparams.topk) if measure else 0, self.anchor_generator(batch, batch_idx))
         self._last_loss = out.loss.detach()
         if measure:  # logging only here keeps host syncs off the other steps
-            self.train_metrics.update(out.topk, out.labels, out.supervised, out.selector_hits)
+            self.update_metrics(out, "train")
             counts = self.nonfinite_counts
             extra = {"ce": out.ce} if self.loss_settings.distills else {}
-            if out.selector_loss is not None:
-                extra["selector/loss"] = out.selector_loss
-            values = {**extra, **self.train_metrics.compute(), "skipped_steps": counts[0],
+            for part in out.parts.values():
+                extra |= part.logs
+            values = {**extra, **self.compute_metrics("train"), "skipped_steps": counts[0],
                       "skipped_in_a_row": counts[1]}
             host = self._log_metrics("train", values, out.loss)
-            self.train_metrics.reset()
             self._check_nonfinite(*host[-2:].long().tolist())
         return out.loss
 
@@ -340,14 +373,13 @@ class DFlashModule(LightningModule):
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         out = self.step(batch, max(self.hparams.topk), self.anchor_generator(batch, batch_idx))
-        self.val_metrics.update(out.topk, out.labels, out.supervised, out.selector_hits)
+        self.update_metrics(out, "val")
         self.log("val/loss", out.loss, prog_bar=True, batch_size=1, sync_dist=True)  # epoch mean over ranks
         if self.loss_settings.distills:  # comparable across objectives
             self.log("val/ce", out.ce, batch_size=1, sync_dist=True)
 
     def on_validation_epoch_end(self) -> None:
-        self._log_metrics("val", self.val_metrics.compute())
-        self.val_metrics.reset()
+        self._log_metrics("val", self.compute_metrics("val"))
 
     def _log_metrics(self, stage: str, values: dict[str, Tensor], loss: Tensor | None = None) -> Tensor:
         """Log metric values after one device-to-host copy, so later progress-bar reads never sync; returns them."""
@@ -447,7 +479,9 @@ class DFlashModule(LightningModule):
         """
         trainer = compat.attached_trainer(self)
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
-        saved = checkpoint.get(resume.RECORD_KEY)
+        saved = upgrade_record(checkpoint.get(resume.RECORD_KEY))  # an older version's flat part fields moved
+        if isinstance(checkpoint.get("drafter_config"), dict):
+            checkpoint["drafter_config"] = DrafterConfig.from_dict(checkpoint["drafter_config"]).to_dict()
         path = getattr(trainer, "ckpt_path", None)
         resume.check_resume(saved, self.run_record(), path, fitting, self.hparams.accept_target_change)
         resume.check_weights(checkpoint, self.state_dict(), self.drafter_config.to_dict(), path)
@@ -477,34 +511,40 @@ class DFlashModule(LightningModule):
 
 
 def warm_start(drafter: DFlashDrafter, path: str) -> None:
-    """Load a drafter `.ckpt` or folder's weights into `drafter`; a DFlash source may start a DFlash2 drafter.
+    """Load a drafter `.ckpt` or folder's weights into `drafter`, of the same variant or another on the same backbone.
 
-    The source's config must be the drafter's in every shape field; where the variants differ, only the DFlash2
-    modules (convolutions, selector) may be missing, and they keep their initialisation (identity, fresh).
+    The source's config must be the drafter's in every shape field of the backbone and of the parts both have.
+    Parts the drafter has and the source lacks keep their initialisation; parts the source has and the drafter
+    lacks are dropped (logged) if they leave the backbone as it is (a head), else refused (convolutions).
     """
-    from dataclasses import replace
-
     from dflash_lightning.export import read_drafter
 
     cfg, state, _ = read_drafter(path)
     mine = drafter.config
-    # across variants only the DFlash2 fields may differ; within one, every field but gamma (a training choice)
-    ignored = ("variant", *_variant_fields(mine)) if cfg.variant != mine.variant else ()
-    if replace(cfg, **{k: getattr(mine, k) for k in ("gamma", *ignored)}) != mine:
-        diff = [k for k, v in cfg.to_dict().items() if k not in ("gamma", *ignored) and v != getattr(mine, k)]
+    theirs, ours = set(cfg.preset.parts), set(mine.preset.parts)
+    unshared = set(PART_SETTINGS) - {p.name for p in theirs & ours}  # settings of a part not in both: unread
+    skip = {"variant", *cfg.training_fields(), *mine.training_fields()}
+    flat = mine.flat_dict()
+    diff = [k for k, v in cfg.flat_dict().items()
+            if k not in skip and k.split(".")[0] not in unshared and v != flat.get(k)]
+    if diff:
         raise ConfigError(f"model.init_from '{path}': its drafter differs from this run's in {', '.join(diff)}")
-    if cfg.variant == mine.variant:
+    only_theirs = [p for p in cfg.preset.parts if p not in ours]  # in preset order: messages repeat
+    lost = [p for p in only_theirs if p.changes_backbone]
+    if lost:
+        raise ConfigError(f"model.init_from '{path}': a {cfg.variant} drafter cannot start a {mine.variant} run: "
+                          f"its {', '.join(p.name for p in lost)} part(s) change the backbone this run lacks")
+    if theirs == ours:
         drafter.load_state_dict(state)
         return
-    if cfg.variant != "dflash" or mine.variant != "dflash2":
-        raise ConfigError(f"model.init_from '{path}': a {cfg.variant} drafter cannot start a {mine.variant} run")
-    missing, unexpected = drafter.load_state_dict(state, strict=False)
-    extra = [k for k in missing if not (k.startswith("candidate_selector.") or "_conv." in k)]
+    dropped = [k for k in state if any(p.owns(k) for p in only_theirs)]
+    kept = {k: v for k, v in state.items() if k not in dropped}
+    missing, unexpected = drafter.load_state_dict(kept, strict=False)
+    fresh = [p for p in drafter.parts if type(p) in ours - theirs]
+    extra = [k for k in missing if not any(p.owns(k) for p in fresh)]
     if unexpected or extra:
         raise ConfigError(f"model.init_from '{path}': unexpected keys {unexpected}, missing {extra}")
-
-
-def _variant_fields(cfg: DrafterConfig) -> dict[str, Any]:
-    """The fields only DFlash2 reads."""
-    return {k: getattr(cfg, k) for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")}
-
+    if dropped:
+        rank_zero_info(f"model.init_from '{path}': the {cfg.variant} drafter's "
+                       f"{', '.join(p.name for p in only_theirs)} weights are not used by this "
+                       f"{mine.variant} run ({len(dropped)} tensors)")

@@ -10,9 +10,11 @@ from test_model import tiny_drafter
 
 from dflash_lightning.blocks import select_anchors, slot_weights
 from dflash_lightning.config import ConfigError, DrafterConfig
-from dflash_lightning.dflash2 import BlockConv, CandidateSelector, unary_top_k
 from dflash_lightning.loss import LossSettings, chunked_head_loss
 from dflash_lightning.model import DFlashDrafter
+from dflash_lightning.parts.convolutions import BlockConv, ConvSettings
+from dflash_lightning.parts.selector import CandidateSelector, SelectorSettings
+from dflash_lightning.topk import unary_top_k
 
 
 def conv_reference(x, d, base, g):
@@ -27,12 +29,13 @@ def conv_reference(x, d, base, g):
     return out
 
 
-def dflash2_config(**kw) -> DrafterConfig:
+def dflash2_config(kernel_size: int = 2, group_size: int = 8, rank: int = 6, top_k: int = 5, alpha: float = 1.0,
+                   **kw) -> DrafterConfig:
     base = dict(
         num_layers=2, block_size=4, mask_token_id=3, target_layer_ids=[0, 2, 3], hidden_size=32,
         intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6,
         rope_theta=10000.0, max_position_embeddings=256, vocab_size=40, num_target_layers=5, variant="dflash2",
-        gamma=4.0, conv_kernel_size=2, conv_group_size=8, selector_rank=6, selector_top_k=5,
+        gamma=4.0, conv=ConvSettings(kernel_size, group_size), selector=SelectorSettings(rank, top_k, alpha),
     )
     return DrafterConfig(**{**base, **kw})
 
@@ -47,7 +50,7 @@ def random_conv(cfg: DrafterConfig, seed: int = 0) -> BlockConv:
 
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_block_conv_matches_the_formula_per_block(k):
-    cfg = dflash2_config(conv_kernel_size=k)
+    cfg = dflash2_config(kernel_size=k)
     conv = random_conv(cfg)
     x = torch.randn(3 * cfg.block_size, cfg.hidden_size, dtype=torch.float64)  # 3 blocks
     inner = torch.nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False).double()
@@ -55,13 +58,13 @@ def test_block_conv_matches_the_formula_per_block(k):
     d = conv.kernel_projection(x).view(3, cfg.block_size, 2, k, -1)
     for a in range(3):
         rows = slice(a * cfg.block_size, (a + 1) * cfg.block_size)
-        mid = conv_reference(x[rows], d[a, :, 0], conv.base_kernel[0], cfg.conv_group_size)
-        ref = conv_reference(inner(mid), d[a, :, 1], conv.base_kernel[1], cfg.conv_group_size)
+        mid = conv_reference(x[rows], d[a, :, 0], conv.base_kernel[0], cfg.conv.group_size)
+        ref = conv_reference(inner(mid), d[a, :, 1], conv.base_kernel[1], cfg.conv.group_size)
         torch.testing.assert_close(out[rows], ref)
 
 
 def test_block_conv_never_reads_another_block_and_is_causal():
-    cfg = dflash2_config(conv_kernel_size=3)
+    cfg = dflash2_config(kernel_size=3)
     conv = random_conv(cfg)
     x = torch.randn(2 * cfg.block_size, cfg.hidden_size, dtype=torch.float64)
     out = conv(x, torch.tanh)
@@ -74,19 +77,21 @@ def test_block_conv_never_reads_another_block_and_is_causal():
 
 
 def test_block_conv_is_the_identity_at_initialisation():
-    cfg = dflash2_config(conv_kernel_size=2)
+    cfg = dflash2_config(kernel_size=2)
     conv = BlockConv(cfg).double()
     x = torch.randn(2 * cfg.block_size, cfg.hidden_size, dtype=torch.float64)
     torch.testing.assert_close(conv(x, torch.tanh), torch.tanh(x))
 
 
 def test_variant_settings_are_checked():
-    with pytest.raises(ConfigError, match="conv_group_size"):
-        dflash2_config(conv_group_size=5).check()
-    with pytest.raises(ConfigError, match="selector_top_k"):
-        dflash2_config(selector_top_k=41).check()
-    with pytest.raises(ConfigError, match="conv_kernel_size"):
-        dflash2_config(conv_kernel_size=5).check()
+    with pytest.raises(ConfigError, match="conv.group_size"):
+        dflash2_config(group_size=5).check()
+    with pytest.raises(ConfigError, match="selector.top_k"):
+        dflash2_config(top_k=41).check()
+    with pytest.raises(ConfigError, match="conv.kernel_size"):
+        dflash2_config(kernel_size=5).check()
+    with pytest.raises(ConfigError, match="selector.loss_weight"):
+        dflash2_config(alpha=-1.0).check()
 
 
 def dense_selector_loss(hidden, head, labels, weights, prev, selector: CandidateSelector, alpha: float):
@@ -103,10 +108,10 @@ def dense_selector_loss(hidden, head, labels, weights, prev, selector: Candidate
     return ((ce + alpha * sel) * weights).sum() / weights.sum(), (sel * weights).sum() / weights.sum(), ~absent
 
 
-def random_selector(seed: int) -> tuple[DrafterConfig, CandidateSelector]:
+def random_selector(seed: int, alpha: float = 1.0) -> tuple[DrafterConfig, CandidateSelector]:
     """A selector for a 16-wide, 50-token head with weights far from their initialisation."""
     torch.manual_seed(seed)
-    cfg = dflash2_config(hidden_size=16, vocab_size=50, selector_top_k=6, selector_rank=5)
+    cfg = dflash2_config(hidden_size=16, vocab_size=50, top_k=6, rank=5, alpha=alpha)
     selector = CandidateSelector(cfg).double()
     for p in selector.parameters():
         p.data = torch.randn_like(p) * 0.5
@@ -115,16 +120,16 @@ def random_selector(seed: int) -> tuple[DrafterConfig, CandidateSelector]:
 
 @pytest.mark.parametrize("alpha", [1.0, 0.3])
 def test_selector_loss_and_gradients_match_a_dense_reference(alpha):
-    cfg, selector = random_selector(seed=0)
+    cfg, selector = random_selector(seed=0, alpha=alpha)
     n = 8 * cfg.block_size
     hidden = torch.randn(n, 16, dtype=torch.float64, requires_grad=True)
     head = torch.randn(50, 16, dtype=torch.float64)
     labels, prev = torch.randint(0, 50, (n,)), torch.randint(0, 50, (n,))
     weights = torch.rand(n, dtype=torch.float64) * (torch.rand(n) > 0.3)
-    settings = LossSettings(loss_weights="decay", selector_alpha=alpha)
-    total, _, used, _, (sel, hits) = chunked_head_loss(
+    settings = LossSettings(loss_weights="decay")
+    total, _, used, _, [(sel, (hits,))] = chunked_head_loss(
         hidden, head, labels, weights, chunk=3 * cfg.block_size, block_size=cfg.block_size, settings=settings,
-        selector=(selector, prev),
+        parts=((selector, (prev,)),),
     )
     params = [hidden, *selector.parameters()]
     grads = torch.autograd.grad(total / used.sum() * 2, params)
@@ -146,7 +151,7 @@ def test_a_dflash_folder_warm_starts_dflash2_with_the_same_forward(tmp_path):
 
     dflash = tiny_drafter(block=4, gamma=4.0)  # random weights, norms off 1
     write_folder(dflash.config, {k: v.float() for k, v in dflash.state_dict().items()}, tmp_path / "hf")
-    cfg2 = replace(dflash.config, variant="dflash2", conv_group_size=8, selector_rank=6, selector_top_k=5)
+    cfg2 = replace(dflash.config, variant="dflash2", conv=ConvSettings(group_size=8), selector=SelectorSettings(6, 5))
     dflash2 = DFlashDrafter(cfg2).double()
     dflash2.set_target_io(dflash.embed_weight, dflash.head_weight)
     warm_start(dflash2, str(tmp_path / "hf"))
@@ -162,7 +167,7 @@ def test_a_dflash_folder_warm_starts_dflash2_with_the_same_forward(tmp_path):
 
 def test_selector_greedy_path_matches_a_plain_reference():
     torch.manual_seed(1)
-    cfg = dflash2_config(selector_top_k=4)
+    cfg = dflash2_config(top_k=4)
     selector = CandidateSelector(cfg).double()
     for p in selector.parameters():
         p.data = torch.randn_like(p)
@@ -180,8 +185,6 @@ def test_selector_greedy_path_matches_a_plain_reference():
 
 def test_dflash2_training_step_through_the_module_logs_selector_metrics():
     """The module's step trains the selector: its loss, recall and teacher-forced accuracy come out of one forward."""
-    from dflash_lightning.metrics import DraftMetrics
-
     drafter = DFlashDrafter(dflash2_config()).double()
     drafter.set_target_io(torch.randn(40, 32, dtype=torch.float64), torch.randn(40, 32, dtype=torch.float64))
     batch = packed_batch([13, 9], 24, vocab=40, seed=1)
@@ -192,20 +195,20 @@ def test_dflash2_training_step_through_the_module_logs_selector_metrics():
     out.loss.backward()
     assert drafter.candidate_selector.successor_codebook.grad.abs().sum() > 0
     assert drafter.layers[0].mlp_conv.kernel_projection.weight.grad.abs().sum() > 0
-    metrics = DraftMetrics(4, (1, 5), selector=True)
-    metrics.update(out.topk, out.labels, out.supervised, out.selector_hits)
+    metrics = CandidateSelector.metric(4)
+    metrics.update(out.parts["selector"].rows, out.labels, out.supervised)
     values = metrics.compute()
     assert 0 < float(values["selector/recall"]) <= 1 and float(values["selector/tau"]) >= 1
-    assert float(out.selector_loss) > 0
+    assert float(out.parts["selector"].logs["selector/loss"]) > 0
 
 
-@pytest.mark.parametrize("settings", [LossSettings("kl", "dpace", dpace_alpha=0.3, temperature=0.5, selector_alpha=0.7),
-                                      LossSettings("ce+kl", "dpace")])
-def test_selector_term_beside_distillation_and_dpace_matches_the_dense_reference(settings):
+@pytest.mark.parametrize(("settings", "alpha"), [(LossSettings("kl", "dpace", dpace_alpha=0.3, temperature=0.5), 0.7),
+                                               (LossSettings("ce+kl", "dpace"), 1.0)])
+def test_selector_term_beside_distillation_and_dpace_matches_the_dense_reference(settings, alpha):
     """With KL (or CE + KL) and D-PACE the selector adds alpha * its CE, weighted by the unary D-PACE weights."""
     from test_model import dense_objective
 
-    cfg, selector = random_selector(seed=2)
+    cfg, selector = random_selector(seed=2, alpha=alpha)
     block, n = cfg.block_size, 9 * cfg.block_size
     hidden = torch.randn(n, 16, dtype=torch.float64, requires_grad=True)
     head = torch.randn(50, 16, dtype=torch.float64)
@@ -214,12 +217,12 @@ def test_selector_term_beside_distillation_and_dpace_matches_the_dense_reference
     weights.view(-1, block)[:, 0] = 0
     final, rows = torch.randn(40, 16, dtype=torch.float64), torch.randint(0, 40, (n,))
     total, _, used, _, _ = chunked_head_loss(hidden, head, labels, weights, 2 * block, 0, block, settings, final,
-                                             rows, selector=(selector, prev))
+                                             rows, parts=((selector, (prev,)),))
     params = [hidden, *selector.parameters()]
     grads = torch.autograd.grad(total / used.sum(), params)
     unary, _, w = dense_objective(hidden, head, labels, weights, final[rows], settings, block)
     _, sel, _ = dense_selector_loss(hidden, head, labels, w.detach(), prev, selector, 0.0)
-    ref = unary + settings.selector_alpha * sel
+    ref = unary + alpha * sel
     torch.testing.assert_close(total / used.sum(), ref)
     for g, r in zip(grads, torch.autograd.grad(ref, params), strict=True):
         torch.testing.assert_close(g, r)
@@ -233,8 +236,9 @@ def test_warm_start_refuses_a_selector_of_another_rank_naming_the_field(tmp_path
 
     source = DFlashDrafter(dflash2_config())
     write_folder(source.config, source.state_dict(), tmp_path / "hf")
-    with pytest.raises(ConfigError, match="selector_rank"):
-        warm_start(DFlashDrafter(replace(source.config, selector_rank=3)), str(tmp_path / "hf"))
+    with pytest.raises(ConfigError, match="selector.rank"):
+        warm_start(DFlashDrafter(replace(source.config, selector=SelectorSettings(rank=3, top_k=5))),
+                   str(tmp_path / "hf"))
 
 
 @pytest.mark.parametrize("v", [8 * 16 * 32, 8 * 16 * 32 + 19])  # whole groups only, and a tail past the last one

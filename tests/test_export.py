@@ -27,6 +27,8 @@ from dflash_lightning.export import (
     write_folder,
 )
 from dflash_lightning.model import DFlashDrafter
+from dflash_lightning.parts.convolutions import ConvSettings
+from dflash_lightning.parts.selector import SelectorSettings
 from dflash_lightning.target_model import load_target_io
 
 
@@ -201,7 +203,9 @@ def test_export_cli(checkpoint, tmp_path, capsys):
 # -- train/serve parity -------------------------------------------------------------------------------------------
 
 # DFlash2 (docs/method.md section 10) at the tiny target's shape: 3 taps, groups of 16 channels, K = 4 of 60 tokens.
-DFLASH2 = {"variant": "dflash2", "conv_kernel_size": 3, "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 4}
+DFLASH2 = {"variant": "dflash2", "conv": ConvSettings(3, 16), "selector": SelectorSettings(8, 4)}
+# what a DFlash2 folder built from DFLASH2 holds beside DFlash's dflash_config
+DFLASH2_FIELDS = {"conv_kernel_size": 3, "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 4}
 
 
 def parity_drafter(target: Path, dtype: torch.dtype, **attention) -> DFlashDrafter:
@@ -247,14 +251,15 @@ def test_exported_folder_drafts_what_training_trained(tiny_target, tmp_path, dty
     served, info = AutoModel.from_pretrained(folder, trust_remote_code=True, dtype=dtype, output_loading_info=True)
     served.eval()
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
-    assert type(served).__name__ == ("DFlash2DraftModel" if drafter.config.is_dflash2 else "DFlashDraftModel")
+    assert type(served).__name__ == drafter.config.preset.architecture
     docs, starts = [13, 9, 20], [0, 13, 22]
     batch = packed_batch(docs, 48, vocab=50, seed=7)
     features = torch.randn(48, 2 * 64).to(dtype)
     anchors = torch.tensor([0, 6, 12, 13, 17, 21, 22, 35, 41])  # starts, middles and ends of the three documents
     same_drafts = 0
     same_picks = 0
-    selector = copy.deepcopy(drafter.candidate_selector).float() if drafter.config.is_dflash2 else None
+    selector = copy.deepcopy(getattr(drafter, "candidate_selector", None))
+    selector = selector.float() if selector is not None else None
     with torch.no_grad():
         trained_hidden = drafter.block_hidden(
             features, batch["input_ids"], batch["position_ids"], batch["doc_ids"], anchors,
@@ -271,7 +276,7 @@ def test_exported_folder_drafts_what_training_trained(tiny_target, tmp_path, dty
             logits = drafter.logits(hidden[0])  # [B, V]
             torch.testing.assert_close(logits, trained[a], **TOLERANCE[dtype])
             same_drafts += int((logits[1:].argmax(-1) == trained[a, 1:].argmax(-1)).sum())
-            if drafter.config.is_dflash2:  # the selector's greedy path: the folder's against ours
+            if selector is not None:  # the selector's greedy path: the folder's against ours
                 # ours in fp32: CandidateSelector.pair_scores feeds fp32 hidden states to the projection
                 ours = selector.greedy(trained_hidden[a, 1:].float(), trained[a, 1:], block[0, 0])
                 picks, _ = served.propose(hidden[0, 1:], logits[1:], int(block[0, 0]))
@@ -279,7 +284,7 @@ def test_exported_folder_drafts_what_training_trained(tiny_target, tmp_path, dty
     # the draft tokens themselves: all equal in float32; bfloat16 may flip a near-tie
     n = 7 * anchors.numel()
     assert same_drafts == n if dtype == torch.float32 else same_drafts >= 0.9 * n
-    if drafter.config.is_dflash2:
+    if selector is not None:
         assert same_picks == n if dtype == torch.float32 else same_picks >= 0.8 * n
 
 

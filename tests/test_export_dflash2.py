@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 from test_export import (
     DFLASH2,
+    DFLASH2_FIELDS,
     SAFETENSORS_DTYPES,
     broken_copy,
     engine_weight_shapes,
@@ -74,8 +75,7 @@ def test_folder_holds_what_the_dflash2_loaders_read(folder):
     assert c["architectures"] == [LOADER_ARCHITECTURE]
     assert c["auto_map"] == {"AutoModel": "modeling_dflash.DFlash2DraftModel"}
     assert set(c["dflash_config"]) == LOADER_DFLASH_CONFIG
-    added = {k: v for k, v in DFLASH2.items() if k != "variant"}
-    assert {k: c["dflash_config"][k] for k in added} == added
+    assert {k: c["dflash_config"][k] for k in DFLASH2_FIELDS} == DFLASH2_FIELDS
     assert all(type(v) is int for k, v in c["dflash_config"].items() if k != "target_layer_ids")
     header = safetensors_header(folder / "model.safetensors")
     assert {k: tuple(v["shape"]) for k, v in header.items()} == loader_weight_shapes(c)  # none missing, none extra
@@ -95,7 +95,7 @@ def test_serve_commands_fit_a_dflash2_folder(drafter, folder):
 def test_round_trip_keeps_dflash2_config_and_weights(drafter, tmp_path):
     out = write_folder(drafter.config, drafter.state_dict(), tmp_path / "d")
     cfg, state = import_folder(out)
-    assert cfg.to_dict() == drafter.config.to_dict() and cfg.is_dflash2
+    assert cfg.to_dict() == drafter.config.to_dict() and cfg.variant == "dflash2"
     expected = drafter.state_dict()
     assert set(state) == set(expected)
     for k, v in state.items():
@@ -107,7 +107,7 @@ def test_round_trip_keeps_dflash2_config_and_weights(drafter, tmp_path):
 @pytest.mark.parametrize("edit,message", [
     (lambda c: c["dflash_config"].pop("selector_rank"), r"DFlash2DraftModel lacks dflash_config\.selector_rank"),
     (lambda c: c.update(architectures=["DFlashDraftModel"]),
-     r"DFlashDraftModel has DFlash2 field\(s\) dflash_config\.conv_kernel_size"),
+     r"DFlashDraftModel has field\(s\) dflash_config\.conv_kernel_size"),
     (lambda c: c.update(architectures=["Qwen3ForCausalLM"]), r"architectures \['Qwen3ForCausalLM'\] is not one of"),
     (lambda c: c["dflash_config"].update(conv_group_size=7), r"conv_group_size \(7\) must .* divide hidden_size"),
     (lambda c: c["dflash_config"].update(selector_top_k="4"), r"dflash_config\.selector_top_k must be an integer"),

@@ -73,7 +73,7 @@ class DFlashCLI(TypedSettingsCLI):
         for key in ("data.target_layer_ids", "target.layer_ids"):
             parser.link_arguments("model", key, compute_fn=_layer_ids, apply_on="instantiate")
         for key in ("data.final_hidden", "target.final_hidden"):
-            parser.link_arguments("model", key, compute_fn=_distills, apply_on="instantiate")
+            parser.link_arguments("model", key, compute_fn=_needs_final_hidden, apply_on="instantiate")
 
     def before_instantiate_classes(self) -> None:
         """An accelerator this machine lacks is refused before the model's target is read or downloaded; and
@@ -200,8 +200,8 @@ def _layer_ids(model: DFlashModule) -> list[int]:
     return list(model.drafter_config.target_layer_ids)
 
 
-def _distills(model: DFlashModule) -> bool:
-    return model.loss_settings.distills
+def _needs_final_hidden(model: DFlashModule) -> bool:
+    return model.needs_final_hidden
 
 
 def main(argv: Sequence[str] | None = None, run: bool = True) -> DFlashCLI:

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from dflash_lightning.blocks import window_rule
 from dflash_lightning.hf.modeling_dflash import accepted_length, check_sampling, next_token, verify_drafts
 from dflash_lightning.model import DFlashDrafter
+from dflash_lightning.parts.base import DraftInputs
 
 
 @dataclass
@@ -73,6 +74,7 @@ class DraftContext:
         self.keys: list[Tensor | None] = [None] * n
         self.values: list[Tensor | None] = [None] * n
         self.length = 0
+        self.last_context: Tensor | None = None
 
     def __len__(self) -> int:
         """Context tokens seen so far (a sliding layer keeps only its window of them)."""
@@ -82,6 +84,7 @@ class DraftContext:
     def extend(self, features: Tensor, positions: Tensor) -> None:
         """Append the context of new target features `[n, K*H]` at `positions [n]`, consecutive after the last."""
         c = self.drafter.context(features)  # [n, H]
+        self.last_context = c[-1]  # c_{p-1} of the next block (parts read it: `DraftInputs.context_last`)
         rope = self.drafter.rotary(positions, c.dtype)
         self.length += positions.numel()
         for i, layer in enumerate(self.drafter.layers):
@@ -150,19 +153,19 @@ class SpeculativeDecoder:
         """Draft tokens of slots 1..B-1 for the block `[x, MASK * (B-1)]` at `start`, and their draft distributions
         `[B-1, V]` where they are sampled (None: point masses).  # [B-1]
 
-        DFlash proposes each slot's argmax (method.md 6b); DFlash2's selector re-ranks each slot's top K slot by slot,
-        greedy or sampled from softmax(score / T) (section 10).
+        The backbone proposes each slot's argmax (method.md 6b); a part with its own drafting rule (`Part.decodes`:
+        DFlash2's selector, section 10) drafts instead, greedy or sampled from its q.
         """
         block = torch.full((self.block_size,), self.mask_token_id, dtype=torch.long, device=x.device)
         block[0] = x
         hidden = context.block_hidden(block, start)[1:]  # [B-1, H]
         logits = self.drafter.logits(hidden)
-        selector = self.drafter.candidate_selector
-        if selector is None:
+        rule = next((part for part in self.drafter.parts if part.decodes), None)
+        if rule is None:
             return logits.argmax(-1), None
-        if temperature == 0:
-            return selector.greedy(hidden, logits, x), None
-        return selector.sample(hidden, logits, x, temperature, generator)
+        inputs = DraftInputs(hidden, logits, x, context.last_context, self.drafter.embed_weight, temperature,
+                             generator)
+        return rule.draft(inputs)
 
     @torch.no_grad()
     def generate(

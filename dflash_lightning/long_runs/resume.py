@@ -49,7 +49,7 @@ def _plain(value: Any) -> Any:
 def run_record(module: Any) -> dict[str, Any]:
     """The settings of a `DFlashModule`'s run that a checkpoint records: flat `section.field` -> plain value."""
     hp = module.hparams
-    record: dict[str, Any] = {f"drafter.{k}": v for k, v in module.drafter_config.to_dict().items()}
+    record: dict[str, Any] = {f"drafter.{k}": v for k, v in module.drafter_config.flat_dict().items()}
     # every hyper-parameter but the drafter's (resolved, above) and LightningCLI's `_instantiator`
     record |= {f"model.{k}": v for k, v in hp.items() if k != "drafter" and not k.startswith("_")}
     record["target.path"] = str(hp.target)

@@ -1,0 +1,283 @@
+"""What a drafter part is, and how the drafter, the loss, the metrics, the decoder, export and import call it.
+
+A drafter is the DFlash backbone (docs/method.md sections 2-9) plus the parts its preset names
+(`parts/presets.py`, the only place that names a variant). A part is one module that owns its settings, its
+parameters and weight names, its training term, its metrics, its drafting rule and its export fields; the
+backbone calls it through the hooks below and never asks which part it is.
+
+How a new part plugs in:
+1. `parts/<name>.py`: a settings dataclass (plain fields, a one-line docstring under each; shape fields and
+   loss weights) with `check(config)`, and a `Part` subclass naming it in `settings_type`, its `name` (the
+   `DrafterConfig` field holding the settings: `model.drafter.<name>.<field>` on the command line) and
+   `config_fields` (the `dflash_config` keys it exports, mapped to settings fields).
+2. `config.py`: one field `<name>: <Settings> = field(default_factory=<Settings>)` on `DrafterConfig`.
+3. `parts/presets.py`: the presets that include it (parts, `architectures` name, serve commands).
+4. Override the hooks it needs; each has a do-nothing default. Call order in one training step:
+   `head_inputs` (before the chunked head loop) -> `head_chunk` (inside it, per chunk of whole blocks, with
+   the `[rows, V]` logits that exist only there) -> `loss` (after it, with what the chunks returned) ->
+   the module logs `PartOutput.logs` every `metrics_every` steps and feeds `PartOutput.rows` to `metric()`.
+   Decoding calls `draft` (the one part of a preset with `decodes = True`; else each slot's argmax).
+   Export writes `export_fields`, import reads them with `read_fields`; warm start loads the weights the
+   part `owns` only when the source has the part too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from dflash_lightning.errors import ConfigError
+
+
+@dataclass
+class TrainInputs:
+    """What a part's training hooks see of one packed batch (A anchors, B slots, T tokens)."""
+
+    hidden: Tensor
+    """The backbone's output after `norm`, every slot of every block.  # [A, B, H]"""
+    context: Tensor
+    """Context vectors c = hidden_norm(fc(features)) of every token of the batch.  # [T, H]"""
+    input_ids: Tensor
+    """Tokens of the packed batch.  # [T]"""
+    position_ids: Tensor
+    """Position of each token in its document (0 at a document's start).  # [T]"""
+    doc_ids: Tensor
+    """Document of each token (-1: padding).  # [T]"""
+    anchors: Tensor
+    """Position of each block's anchor (slot 0) in the batch.  # [A]"""
+    anchor_valid: Tensor
+    """Which anchors are real (the rest pad the fixed shape).  # [A]"""
+    labels: Tensor
+    """Target token of every slot.  # [A, B]"""
+    supervised: Tensor
+    """Slots that count (a valid anchor, slot >= 1, label in the loss mask and the anchor's document).  # [A, B]"""
+    before: Tensor
+    """Index in the batch of the token before each slot (slot 1: the anchor), where the target's state that
+    predicts the slot sits: `final_hidden[before]` is the teacher row of the slot.  # [A, B]"""
+    final_hidden: Tensor | None
+    """The target's final normed hidden states (None unless some part or the objective needs them).  # [T, H]"""
+    embed_weight: Tensor
+    """The target's input embedding, frozen.  # [V, H]"""
+    head_weight: Tensor
+    """The target's output head, frozen (full precision even when the loss's head runs in FP8).  # [V, H]"""
+
+
+@dataclass
+class HeadChunk:
+    """One chunk of rows inside the chunked head loop (loss.py): rows are slots 1..B-1 of whole blocks."""
+
+    start: int
+    """First row of the chunk; rows `start:end` of every per-row tensor of the step."""
+    end: int
+    """One past the chunk's last row."""
+    hidden: Tensor
+    """The rows' hidden states, in the head's dtype.  # [R, H]"""
+    logits: Tensor
+    """The rows' logits, fp32 (fp64 in tests); only this chunk's exist at once.  # [R, V]"""
+    lse: Tensor
+    """logsumexp of `logits`.  # [R, 1]"""
+    labels: Tensor
+    """Target token of each row.  # [R]"""
+    weights: Tensor
+    """Slot weight of each row this step (D-PACE: from this step's CE), in `logits`' dtype.  # [R]"""
+    top_ids: Tensor
+    """The unary top k ids of each row, best first, k >= the part's `top_k`.  # [R, k]"""
+    d_logits: Tensor
+    """d objective / d logits of the rows before the slot weights apply; a part adds its own term's gradient
+    into it in place (the head's matmul then carries it to `hidden`).  # [R, V]"""
+    head: Tensor
+    """The frozen head as the loop uses it (FP8 possibly): `F.linear(h, head)` are logits.  # [V, H]"""
+    head_t: Tensor
+    """Its transpose as the loop uses it: `F.linear(d_logits, head_t)` maps `[R, V]` back to `[R, H]`.  # [H, V]"""
+    rows: tuple[Tensor, ...]
+    """The part's own per-row inputs (`head_inputs`), sliced to the chunk."""
+    grads: list[Tensor]
+    """fp32 accumulators of the gradients of the part's `head_params`, to add into."""
+
+
+@dataclass
+class ChunkResult:
+    """What a part's `head_chunk` returns; every field optional."""
+
+    loss: Tensor | None = None
+    """Its weighted term over the rows, sum(w * term) times its loss weight: joins the objective's sum."""
+    logged: Tensor | None = None
+    """A 0-dim sum over the rows to report (divided by the weight sum like the loss): `HeadOutput.logged`."""
+    grad_hidden: Tensor | None = None
+    """d loss / d hidden of the rows from paths that skip the head's matmul (weighted).  # [R, H]"""
+    rows: tuple[Tensor, ...] = ()
+    """Per-row results the part reads later (`HeadOutput.rows`), `head_rows` of them: concatenated over chunks, no
+    gradient.  # [R, ...] each"""
+
+
+@dataclass
+class HeadOutput:
+    """What the head loop hands back to a part's `loss`: its chunk results joined over the step."""
+
+    logged: Tensor | None
+    """The sum of `ChunkResult.logged` over chunks, divided by the (rank-mean) weight sum."""
+    rows: tuple[Tensor, ...]
+    """`ChunkResult.rows` of every row, in order.  # [A * (B-1), ...] each"""
+
+
+@dataclass
+class PartOutput:
+    """A part's results of one training forward."""
+
+    loss: Tensor | None = None
+    """A term added to the (normalised) loss after the head loop; None: none (or it joined in `head_chunk`)."""
+    logs: dict[str, Tensor] = field(default_factory=dict)
+    """0-dim values logged as `train/<name>` every `metrics_every` steps (names carry the part's prefix)."""
+    rows: Any = None
+    """What `metric().update` takes besides the slots' labels and supervision, e.g. per-slot hits `[A, B, ...]`."""
+
+
+@dataclass
+class DraftInputs:
+    """What a part's drafting rule sees of one block being drafted (serving, evaluate, spec_eval)."""
+
+    hidden: Tensor
+    """The backbone's output after `norm` for slots 1..B-1.  # [B-1, H]"""
+    logits: Tensor
+    """Their unary logits through the target's head.  # [B-1, V]"""
+    first_prev: Tensor
+    """The block's slot-0 token (the last committed token x).  # 0-dim"""
+    context_last: Tensor | None
+    """c_{p-1}: the context vector of the last committed position with target features (None at p = 0).  # [H]"""
+    embed_weight: Tensor
+    """The target's input embedding.  # [V, H]"""
+    temperature: float
+    """0: greedy; above: sample from the part's q."""
+    generator: torch.Generator | None
+    """The random stream of sampling."""
+
+
+class Part(nn.Module):
+    """A part of a drafter (see the module docstring): its parameters, training term, metrics, drafting rule and
+    export fields. Subclasses set the class variables and override the hooks they need."""
+
+    name: ClassVar[str]
+    """The `DrafterConfig` field holding this part's settings (`model.drafter.<name>.*`)."""
+    settings_type: ClassVar[type]
+    """The part's settings dataclass."""
+    config_fields: ClassVar[dict[str, str]] = {}
+    """dflash_config key -> settings field, in the order export writes them; the other settings fields are
+    training choices (loss weights) a folder does not carry."""
+    weight_prefix: ClassVar[str | None] = None
+    """Where the part sits in the drafter (`drafter.<weight_prefix>`, its weights `<weight_prefix>.*`); None: the
+    part places its modules itself (`attach`) and names them in `owns`."""
+    changes_backbone: ClassVar[bool] = False
+    """Whether the part changes the backbone's hidden states (block convolutions): a drafter trained with it is
+    never warm-started without it."""
+    fp8_exempt: ClassVar[bool] = False
+    """Whether the part's linears stay out of FP8 training (`model.fp8=all`): those whose weights the loss reads by
+    hand (`head_params`)."""
+    needs_final_hidden: ClassVar[bool] = False
+    """Whether training reads the target's final hidden states (`TrainInputs.final_hidden`)."""
+    decodes: ClassVar[bool] = False
+    """Whether the part replaces each slot's argmax by its own drafting rule (`draft`); one such part a preset."""
+    head_rows: ClassVar[int] = 0
+    """How many per-row tensors `head_chunk` returns in `ChunkResult.rows`."""
+    top_k: int = 0
+    """Unary candidates per row the part reads from the head loop (`HeadChunk.top_ids`); 0: none."""
+
+    def __init__(self, config: Any) -> None:
+        """`config` is the resolved DrafterConfig; the part's settings are `getattr(config, self.name)`."""
+        super().__init__()
+        self.settings = getattr(config, self.name)
+
+    # --- parameters and weight names
+    @classmethod
+    def layer_modules(cls, config: Any) -> dict[str, tuple[str, nn.Module]]:
+        """Modules the part adds to every decoder layer, built while the layer is (so the random stream is drawn in
+        module order): sublayer (`attention` or `mlp`) -> (attribute name, module); the layer calls
+        `module(x, sublayer)` in place of `sublayer(x)` on its normed block tokens. None by default."""
+        return {}
+
+    def attach(self, drafter: nn.Module) -> None:
+        """Place the part in the drafter once the backbone is built (after `norm`), where its weight names say
+        (default: `drafter.<weight_prefix>`); a part with `layer_modules` finds them in `drafter.layers`."""
+        if self.weight_prefix is None:
+            raise NotImplementedError(f"{type(self).__name__}: set weight_prefix or override attach")
+        drafter.add_module(self.weight_prefix, self)
+
+    def reset_parameters(self) -> None:
+        """The part's initialisation (called after the backbone's, so a part's own init wins)."""
+
+    @classmethod
+    def owns(cls, key: str) -> bool:
+        """Whether a weight name of a drafter's state dict is this part's."""
+        return cls.weight_prefix is not None and key.startswith(cls.weight_prefix + ".")
+
+    # --- training
+    def compile_hooks(self, mode: str | None = None) -> None:
+        """Compile the part's own training work in place at fixed shapes (`model.compile`; the head loop, and the
+        modules it adds to the layers, are compiled with the backbone's); nothing by default."""
+
+    def head_params(self) -> tuple[Tensor, ...]:
+        """Parameters whose gradients `head_chunk` accumulates by hand (in `HeadChunk.grads`)."""
+        return ()
+
+    def head_inputs(self, batch: TrainInputs) -> tuple[Tensor, ...] | None:
+        """Per-row inputs of `head_chunk` (rows: slots 1..B-1 of each block, flattened), or None: the part has no
+        `head_chunk`."""
+        return None
+
+    def head_chunk(self, chunk: HeadChunk) -> ChunkResult:
+        """The part's work on one chunk of rows while their full logits exist (see `HeadChunk`)."""
+        return ChunkResult()
+
+    def loss(self, batch: TrainInputs, head: HeadOutput | None, settings: Any) -> PartOutput:
+        """The part's term and logs after the head loop; `settings` are the run's LossSettings."""
+        return PartOutput()
+
+    @classmethod
+    def metric(cls, block_size: int) -> Any:
+        """A torchmetrics Metric whose `update(rows, labels, supervised)` takes `PartOutput.rows`, and whose
+        `compute()` returns `{name: 0-dim tensor}` (names carry the part's prefix); None: no metrics."""
+        return None
+
+    # --- decoding
+    def draft(self, inputs: DraftInputs) -> tuple[Tensor, Tensor | None]:
+        """Draft tokens of slots 1..B-1 `[B-1]` and, when sampled, their draft distributions q `[B-1, V]` (None:
+        point masses), verified with q (docs/method.md 6b and 10). Only for parts with `decodes = True`."""
+        raise NotImplementedError
+
+    # --- export and import
+    @classmethod
+    def export_fields(cls, settings: Any) -> dict[str, Any]:
+        """The `dflash_config` fields of a folder with this part."""
+        return {key: getattr(settings, name) for key, name in cls.config_fields.items()}
+
+    @classmethod
+    def top_level_fields(cls, settings: Any) -> dict[str, Any]:
+        """config.json fields outside `dflash_config` (DSpark's engines read some there); none by default."""
+        return {}
+
+    @classmethod
+    def present_fields(cls, dflash: dict[str, Any]) -> list[str]:
+        """The part's `dflash_config` keys a folder's config holds."""
+        return [key for key in cls.config_fields if dflash.get(key) is not None]
+
+    @classmethod
+    def read_fields(cls, dflash: dict[str, Any], source: str) -> Any:
+        """The part's settings from a folder's `dflash_config` (training-only fields at their defaults)."""
+        values = {}
+        kinds = {f.name: f.type for f in fields(cls.settings_type)}
+        for key, name in cls.config_fields.items():
+            value = dflash[key]
+            want = {"int": int, "float": float, "bool": bool}.get(str(kinds[name]), None)
+            if want is int and type(value) is not int:
+                raise ConfigError(f"{source}: dflash_config.{key} must be an integer, got {value!r}")
+            if want is float and (type(value) not in (int, float)):
+                raise ConfigError(f"{source}: dflash_config.{key} must be a number, got {value!r}")
+            if want is bool and type(value) is not bool:
+                raise ConfigError(f"{source}: dflash_config.{key} must be true or false, got {value!r}")
+            values[name] = float(value) if want is float else value
+        return cls.settings_type(**values)
+
+
+__all__ = ["ChunkResult", "DraftInputs", "HeadChunk", "HeadOutput", "Part", "PartOutput", "TrainInputs"]

@@ -1,0 +1,81 @@
+"""The drafter variants: each a named preset of parts on the DFlash backbone. The only place a variant is named.
+
+`model.drafter.variant` picks a row; the code elsewhere asks the preset for its parts, its `architectures` name
+(what vLLM and SGLang dispatch their loader on) and its serve commands, never for its name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from dflash_lightning.errors import ConfigError
+from dflash_lightning.parts.base import Part
+from dflash_lightning.parts.convolutions import BlockConvolutions
+from dflash_lightning.parts.lilicorr import LiLiCorrReranker
+from dflash_lightning.parts.selector import CandidateSelector
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A drafter variant: the parts it adds to the backbone and how its folder names it."""
+
+    parts: tuple[type[Part], ...]
+    """Its parts, in the order they are built, trained, logged and exported."""
+    architecture: str
+    """config.json's `architectures` entry of its folder."""
+    vllm_method: str = "dflash"
+    """`--speculative-config` method that serves it in vLLM."""
+    sglang_algorithm: str = "DFLASH"
+    """`--speculative-algorithm` that serves it in SGLang."""
+    summary: str = ""
+    """What it adds, for `--help` and errors."""
+
+
+PRESETS: dict[str, Preset] = {
+    "dflash": Preset((), "DFlashDraftModel", summary="the DFlash drafter (docs/method.md sections 2-9)"),
+    "dflash2": Preset((BlockConvolutions, CandidateSelector), "DFlash2DraftModel",
+                      summary="+ block convolutions and a candidate selector (section 10)"),
+    "lilicorr": Preset((LiLiCorrReranker,), "LiLiCorrDraftModel",
+                       summary="+ a candidate-lattice reranker that walks each slot's top K (section 11)"),
+    "lilicorr-conv": Preset((BlockConvolutions, LiLiCorrReranker), "LiLiCorrDraftModel",
+                            summary="+ the lattice reranker and the block convolutions (section 11)"),
+}
+"""Variant name -> preset. A new variant is a new row; a new kind of part is a new module in parts/."""
+DEFAULT_VARIANT = "dflash"
+"""The variant of a DrafterConfig that names none, and of a folder whose config.json has no `architectures`."""
+
+ALL_PARTS: tuple[type[Part], ...] = tuple(dict.fromkeys(p for preset in PRESETS.values() for p in preset.parts))
+"""Every part some preset uses, each once."""
+
+
+def preset(variant: str) -> Preset:
+    """The preset of a variant name; an unknown one is refused naming the known ones."""
+    if variant not in PRESETS:
+        raise ConfigError(f"variant: unknown drafter variant {variant!r}; use {' or '.join(PRESETS)}")
+    return PRESETS[variant]
+
+
+def variant_of_folder(architectures: Any, dflash: dict[str, Any], source: str) -> str:
+    """The variant of a drafter folder's config.json: the preset of its architecture whose parts' dflash_config
+    fields it holds (the engines build the parts from those fields and the architecture)."""
+    known = list(dict.fromkeys(p.architecture for p in PRESETS.values()))
+    architectures = architectures or [PRESETS[DEFAULT_VARIANT].architecture]
+    if not isinstance(architectures, list) or len(architectures) != 1 or architectures[0] not in known:
+        raise ConfigError(f"{source}: architectures {architectures} is not one of {[[name] for name in known]}")
+    name = architectures[0]
+    present = [part for part in ALL_PARTS if part.present_fields(dflash)]  # in the table's order: messages repeat
+    candidates = {v: p for v, p in PRESETS.items() if p.architecture == name}
+    for variant, p in candidates.items():
+        if set(p.parts) == set(present) or (set(present) <= set(p.parts) and len(candidates) == 1):
+            missing = [f"dflash_config.{k}" for part in p.parts for k in part.config_fields if dflash.get(k) is None]
+            if missing:
+                raise ConfigError(f"{source}: a {name} lacks {', '.join(missing)}")
+            return variant
+    extra = [f"dflash_config.{k}" for part in present for k in part.present_fields(dflash)]
+    allowed = " or ".join(sorted({", ".join(part.name for part in p.parts) or "none" for p in candidates.values()}))
+    raise ConfigError(f"{source}: a {name} has field(s) {', '.join(extra)} of parts it does not have (its parts: "
+                      f"{allowed}); set architectures to the variant that has them, or remove them")
+
+
+__all__ = ["ALL_PARTS", "DEFAULT_VARIANT", "PRESETS", "Preset", "preset", "variant_of_folder"]

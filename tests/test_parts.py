@@ -1,0 +1,108 @@
+"""Variants as presets of parts: the preset table is the only place a variant is named; checkpoints written before
+the parts had their own settings (flat `conv_kernel_size` ... fields) still resume, warm-start and export."""
+
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from test_resume import fit, resume_config, step3  # noqa: F401 (fixtures)
+
+import dflash_lightning
+from dflash_lightning.config import LEGACY_FIELDS, LEGACY_RECORD, ConfigError, DrafterConfig
+from dflash_lightning.export import export_checkpoint, read_checkpoint
+from dflash_lightning.long_runs.resume import RECORD_KEY
+from dflash_lightning.parts.presets import ALL_PARTS, PRESETS, preset
+
+PACKAGE = Path(dflash_lightning.__file__).parent
+
+
+def test_no_code_outside_the_preset_table_names_a_variant():
+    """A variant's name appears as a string only in parts/presets.py (docstrings and comments aside); a name that is
+    also a part's (`lilicorr`: its settings field and weight prefix) only where it is never compared."""
+    part_names = {n for part in ALL_PARTS for n in (part.name, part.weight_prefix)}
+    offenders = []
+    for path in PACKAGE.rglob("*.py"):
+        if path.name == "presets.py" or "hf" in path.parts:  # the served modelling file stands alone
+            continue
+        tree = ast.parse(path.read_text())
+        docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                      if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                      and node.body and isinstance(node.body[0], ast.Expr)}
+        compared = {id(c) for node in ast.walk(tree) if isinstance(node, ast.Compare)
+                    for c in ast.walk(node) if isinstance(c, ast.Constant)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and node.value in PRESETS and id(node) not in docstrings:
+                if node.value not in part_names or id(node) in compared:
+                    offenders.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {node.value!r}")
+    assert not offenders, offenders
+
+
+def test_unknown_variant_is_refused_naming_the_presets():
+    with pytest.raises(ConfigError, match="variant: unknown drafter variant 'dflash3'; use dflash or dflash2 or "
+                                          "lilicorr or lilicorr-conv"):
+        preset("dflash3")
+
+
+def legacy(ckpt: dict) -> dict:
+    """A checkpoint as the version before parts wrote it: flat part fields, the selector's weight a module argument."""
+    cfg = ckpt["drafter_config"]
+    for old, (part, name) in LEGACY_FIELDS.items():
+        cfg[old] = cfg[part][name]
+    alpha = cfg["selector"]["loss_weight"]
+    del cfg["conv"], cfg["selector"]
+    back = {new: old for old, new in LEGACY_RECORD.items()}
+    ckpt[RECORD_KEY] = {back.get(k, k): v for k, v in ckpt[RECORD_KEY].items() if k != "drafter.selector.loss_weight"}
+    ckpt[RECORD_KEY]["model.selector_alpha"] = alpha
+    ckpt["hyper_parameters"]["selector_alpha"] = alpha
+    return ckpt
+
+
+def test_a_checkpoint_of_the_flat_fields_resumes_exports_and_warm_starts(resume_config, step3, tmp_path, caplog):  # noqa: F811
+    ckpt = torch.load(step3, weights_only=True)
+    assert ckpt["drafter_config"]["variant"] == "dflash2"
+    old = tmp_path / "old.ckpt"
+    torch.save(legacy(ckpt), old)
+    assert "conv" not in torch.load(old, weights_only=True)["drafter_config"]
+    # export: the same folder as from the checkpoint as written now
+    assert read_checkpoint(old)[0] == read_checkpoint(step3)[0]
+    new_folder, old_folder = export_checkpoint(step3, tmp_path / "new"), export_checkpoint(old, tmp_path / "old")
+    assert (old_folder / "config.json").read_text() == (new_folder / "config.json").read_text()
+    # resume: no setting reported changed, the run goes on
+    cli, _, _ = fit(resume_config, tmp_path / "a", f"--ckpt_path={old}", "--trainer.max_steps=4")
+    changed = [r.getMessage() for r in caplog.records if "changed settings" in r.getMessage()]
+    assert cli.trainer.global_step == 4 and changed and not any("drafter" in m or "selector" in m for m in changed)
+    # warm start of a new run from it
+    cli, _, _ = fit(resume_config, tmp_path / "b", f"--model.init_from={old}", "--trainer.max_steps=1")
+    assert cli.trainer.global_step == 1
+
+
+def test_a_legacy_pickled_drafter_config_comes_back_with_its_parts():
+    import pickle
+
+    cfg = DrafterConfig(variant="dflash2")
+    state = {k: v for k, v in vars(cfg).items() if k not in ("conv", "selector")}
+    state |= {"conv_kernel_size": 3, "conv_group_size": 8, "selector_rank": 4, "selector_top_k": 5}
+    old = object.__new__(DrafterConfig)
+    old.__dict__.update(state)
+    back = pickle.loads(pickle.dumps(old))
+    assert (back.conv.kernel_size, back.conv.group_size, back.selector.rank, back.selector.top_k) == (3, 8, 4, 5)
+    assert not hasattr(back, "conv_kernel_size") and json.dumps(back.to_dict())
+
+
+def test_fp8_training_leaves_the_linears_a_part_reads_by_hand():
+    """`model.fp8=all` converts the backbone's linears and the convolutions', never the selector's projection, whose
+    weight the head loop reads as a tensor (`Part.fp8_exempt`)."""
+    pytest.importorskip("torchao")
+    from test_dflash2 import dflash2_config
+
+    from dflash_lightning.fp8 import convert_linears
+    from dflash_lightning.model import DFlashDrafter
+
+    drafter = convert_linears(DFlashDrafter(dflash2_config(rank=16)), "tensorwise", emulate=True)
+    assert type(drafter.candidate_selector.hidden_projection) is torch.nn.Linear
+    assert type(drafter.layers[0].self_attn.q_proj) is not torch.nn.Linear
+    assert type(drafter.layers[0].mlp_conv.kernel_projection) is not torch.nn.Linear
