@@ -23,8 +23,10 @@ def _same_path(a: Any, b: Any) -> bool:
 def _pairs(module: Any, data: Any, target: Any) -> list[tuple[str, Any, str, Any, bool]]:
     """(field, value, source field, source value, paths) of every shared value the objects given carry."""
     pairs = []
-    cfg, distills = module.drafter_config, module.loss_settings.distills
-    objective = f"model.objective ({module.loss_settings.objective}: distills {distills})"
+    cfg, distills = module.drafter_config, module.needs_final_hidden  # the objective distills, or a part reads them
+    objective = f"model.objective ({module.loss_settings.objective}: distills {module.loss_settings.distills})"
+    if distills and not module.loss_settings.distills:
+        objective = f"{module.final_hidden_reason()} (reads the target's final hidden states)"
     if data is not None:
         pairs += [("data.token_budget", data.token_budget, "model.token_budget", module.hparams.token_budget, False),
                   ("data.block_size", data.hparams.block_size, "model.drafter.block_size", cfg.block_size, False)]

@@ -172,7 +172,8 @@ def _layer_ids(model: DFlashModule) -> list[int]:
 
 
 def _distills(model: DFlashModule) -> bool:
-    return model.loss_settings.distills
+    """Whether training reads the target's final hidden states: the objective distills, or a part needs them."""
+    return model.needs_final_hidden
 
 
 def main(argv: Sequence[str] | None = None, run: bool = True) -> DFlashCLI:

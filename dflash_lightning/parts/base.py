@@ -63,6 +63,9 @@ class TrainInputs:
     """The target's input embedding, frozen.  # [V, H]"""
     head_weight: Tensor
     """The target's output head, frozen (full precision even when the loss's head runs in FP8).  # [V, H]"""
+    first_slot: int = 1
+    """The first slot that predicts a token (`blocks.first_slot`): 1, or 0 in an anchor-first block (section 12);
+    the head loop's rows are slots `first_slot..B-1` of every block."""
 
 
 @dataclass
@@ -180,6 +183,9 @@ class Part(nn.Module):
     """How many per-row tensors `head_chunk` returns in `ChunkResult.rows`."""
     top_k: int = 0
     """Unary candidates per row the part reads from the head loop (`HeadChunk.top_ids`); 0: none."""
+    last_confidence: Tensor | None = None
+    """A confidence head's c_k of each draft of the block `draft` last drafted (DSpark, docs/method.md 12): what an
+    engine's adaptive verification ranks by; None: the part has none."""
 
     def __init__(self, config: Any) -> None:
         """`config` is the resolved DrafterConfig; the part's settings are `getattr(config, self.name)`."""
@@ -217,6 +223,17 @@ class Part(nn.Module):
         """Per-row inputs of `head_chunk` (rows: slots 1..B-1 of each block, flattened), or None: the part has no
         `head_chunk`."""
         return None
+
+    def logit_bias(self, rows: tuple[Tensor, ...], like: Tensor) -> Tensor | None:
+        """A term added to the rows' head logits `like [R, V]` before the loop's objective, top-k and `head_chunk`
+        (DSpark's Markov head: the slot's logits are head(h) + its term), from the part's `rows` (its head inputs
+        sliced to the chunk), in `like`'s dtype; None: none.  # [R, V]"""
+        return None
+
+    def objective_weight(self) -> float:
+        """The scale of the head loop's own objective (section 4's CE or 4c's KL) beside the part's terms (DSpark:
+        0.1 on the CE); 1 by default."""
+        return 1.0
 
     def head_chunk(self, chunk: HeadChunk) -> ChunkResult:
         """The part's work on one chunk of rows while their full logits exist (see `HeadChunk`)."""

@@ -12,6 +12,7 @@ from typing import Any
 from dflash_lightning.errors import ConfigError
 from dflash_lightning.parts.base import Part
 from dflash_lightning.parts.convolutions import BlockConvolutions
+from dflash_lightning.parts.dspark import DSparkHeads
 from dflash_lightning.parts.selector import CandidateSelector
 
 
@@ -37,6 +38,9 @@ PRESETS: dict[str, Preset] = {
     "dflash": Preset((), "DFlashDraftModel", summary="the DFlash drafter (docs/method.md sections 2-9)"),
     "dflash2": Preset((BlockConvolutions, CandidateSelector), "DFlash2DraftModel",
                       summary="+ block convolutions and a candidate selector (section 10)"),
+    "dspark": Preset((DSparkHeads,), "Qwen3DSparkModel", sample_from_anchor=True, vllm_method="dspark",
+                     sglang_algorithm="DSPARK",
+                     summary="anchor-first blocks + Markov and confidence heads (section 12)"),
 }
 """Variant name -> preset. A new variant is a new row; a new kind of part is a new module in parts/."""
 DEFAULT_VARIANT = "dflash"
@@ -69,7 +73,7 @@ def variant_of_folder(architectures: Any, dflash: dict[str, Any], source: str) -
             if missing:
                 raise ConfigError(f"{source}: a {name} lacks {', '.join(missing)}")
             return variant
-    extra = [f"dflash_config.{k}" for part in present for k in part.present_fields(dflash)]
+    extra = [f"dflash_config.{k}" for part in ALL_PARTS if part in present for k in part.present_fields(dflash)]
     allowed = " or ".join(sorted({", ".join(part.name for part in p.parts) or "none" for p in candidates.values()}))
     raise ConfigError(f"{source}: a {name} has field(s) {', '.join(extra)} of parts it does not have (its parts: "
                       f"{allowed}); set architectures to the variant that has them, or remove them")
