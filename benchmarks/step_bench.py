@@ -54,7 +54,7 @@ import torch
 from lightning.pytorch import Callback, LightningDataModule, Trainer
 
 from dflash_lightning.blocks import select_anchors
-from dflash_lightning.config import DrafterConfig
+from dflash_lightning.config import VARIANTS, DrafterConfig
 from dflash_lightning.module import DFlashModule
 from dflash_lightning.target_model import FeatureExtractor, TargetFeatures
 from dflash_lightning.target_model.features import attention_for
@@ -366,7 +366,7 @@ def visible_pairs(cfg: DrafterConfig, batch: dict[str, torch.Tensor], num_anchor
 
 
 def drafter_shape(sliding_layers: int = 0, sliding_window: int = 2048, variant: str = "dflash") -> DrafterConfig:
-    """The Qwen3-8B recipe's drafter (`variant` dflash or dflash2, docs/method.md 10); its first `sliding_layers` layers
+    """The Qwen3-8B recipe's drafter (`variant` a preset of parts/presets.py); its first `sliding_layers` layers
     slide with window W (docs/method.md 3b)."""
     sliding = ["sliding_attention"] * sliding_layers + ["full_attention"] * (5 - sliding_layers)
     return DrafterConfig(num_layers=5, block_size=16, mask_token_id=MASK_ID, layer_types=sliding if sliding_layers
@@ -564,7 +564,7 @@ def main() -> None:
     parser.add_argument("--doc-tokens", default="300,3000", help="lo,hi: random documents' length range")
     parser.add_argument("--target-compile", action="store_true", help="compile the pipeline target's layers")
     parser.add_argument("--target-attention", default="auto", help="attention of the pipeline's target (auto, sdpa)")
-    parser.add_argument("--variant", default="dflash", choices=["dflash", "dflash2"], help="the drafter's variant")
+    parser.add_argument("--variant", default="dflash", choices=list(VARIANTS), help="the drafter's variant")
     parser.add_argument("--objective", default="ce", choices=["ce", "kl", "ce+kl"], help="model.objective")
     parser.add_argument("--loss-weights", default="dpace", choices=["decay", "dpace"], help="model.loss_weights")
     parser.add_argument("--stage-timeout", type=int, default=0,

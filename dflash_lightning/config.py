@@ -114,7 +114,7 @@ class DrafterConfig:
 
     @property
     def preset(self) -> Preset:
-        """The variant's preset: its parts, architecture name and block layout."""
+        """The variant's preset: its parts, architecture name and serve commands."""
         return preset(self.variant)
 
     def resolved(

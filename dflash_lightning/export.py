@@ -25,6 +25,7 @@ from torch import Tensor
 
 from dflash_lightning.blocks import first_slot
 from dflash_lightning.config import ConfigError, DrafterConfig, _rope_settings
+from dflash_lightning.hf.modeling_dflash import __all__ as REMOTE_CLASSES
 from dflash_lightning.long_runs.atomic import write_dir_atomic
 from dflash_lightning.long_runs.checkpointing import CheckpointError, load_checkpoint, nonfinite_weights
 from dflash_lightning.long_runs.distributed_checkpoint import is_distributed_checkpoint
@@ -81,13 +82,12 @@ def hf_config(cfg: DrafterConfig, dtype: DType) -> dict[str, Any]:
     for part in preset.parts:
         dflash |= part.export_fields(getattr(cfg, part.name))
         top_level |= part.top_level_fields(getattr(cfg, part.name))
-    # transformers' trust_remote_code path, where the modelling file defines the architecture
-    served = f"class {architecture}(" in MODELING_FILE.read_text()
-    auto_map = {"auto_map": {"AutoModel": f"{MODELING_FILE.stem}.{architecture}"}} if served else {}
     return {
         "architectures": [architecture],
         "model_type": "qwen3",
-        **auto_map,
+        # transformers' trust_remote_code class, where the modelling file has one for the architecture
+        **({"auto_map": {"AutoModel": f"{MODELING_FILE.stem}.{architecture}"}} if architecture in REMOTE_CLASSES
+           else {}),
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
         "num_hidden_layers": cfg.num_layers,

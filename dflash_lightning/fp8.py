@@ -40,10 +40,11 @@ def require_fp8(device: torch.device | str, option: str, off: str | None = None)
         raise ConfigError(f"{option}: FP8 goes through torchao: pip install 'torchao>=0.17'") from err
 
 
-def _fp8_shaped(module: nn.Module, name: str = "") -> bool:
-    """FP8 matmuls need both dims divisible by 16; DFlash2's selector projection is read by the loss as a weight."""
+def _fp8_shaped(module: nn.Module, name: str = "", exempt: tuple[str, ...] = ()) -> bool:
+    """FP8 matmuls need both dims divisible by 16; a part's linears named in `exempt` (prefixes: parts whose weights
+    the loss reads by hand, as the candidate selector's projection) stay as they are."""
     shaped = isinstance(module, nn.Linear) and module.in_features % 16 == 0 and module.out_features % 16 == 0
-    return shaped and "candidate_selector" not in name
+    return shaped and not any(name == p or name.startswith(p + ".") for p in exempt)
 
 
 def training_config(recipe: Recipe, emulate: bool = False):
@@ -68,7 +69,9 @@ def convert_linears(module: nn.Module, recipe: Recipe, emulate: bool = False) ->
     """Swap `module`'s linear layers for torchao's float8 training linears (parameter names unchanged)."""
     from torchao.float8 import convert_to_float8_training
 
-    return convert_to_float8_training(module, config=training_config(recipe, emulate), module_filter_fn=_fp8_shaped)
+    exempt = tuple(p.weight_prefix for p in getattr(module, "parts", ()) if p.fp8_exempt)  # a drafter's parts
+    return convert_to_float8_training(module, config=training_config(recipe, emulate),
+                                      module_filter_fn=lambda m, name: _fp8_shaped(m, name, exempt))
 
 
 def _granularity(recipe: Recipe):

@@ -23,10 +23,11 @@ def _same_path(a: Any, b: Any) -> bool:
 def _pairs(module: Any, data: Any, target: Any) -> list[tuple[str, Any, str, Any, bool]]:
     """(field, value, source field, source value, paths) of every shared value the objects given carry."""
     pairs = []
-    cfg, distills = module.drafter_config, module.needs_final_hidden  # the objective distills, or a part reads them
-    objective = f"model.objective ({module.loss_settings.objective}: distills {module.loss_settings.distills})"
-    if distills and not module.loss_settings.distills:
-        objective = f"{module.final_hidden_reason()} (reads the target's final hidden states)"
+    cfg, final = module.drafter_config, module.needs_final_hidden
+    if module.loss_settings.distills or not final:
+        objective = f"model.objective ({module.loss_settings.objective}: distills {module.loss_settings.distills})"
+    else:  # a part of the variant reads the target's final hidden states
+        objective = f"model.drafter.variant ({cfg.variant}: reads the target's final hidden states)"
     if data is not None:
         pairs += [("data.token_budget", data.token_budget, "model.token_budget", module.hparams.token_budget, False),
                   ("data.block_size", data.hparams.block_size, "model.drafter.block_size", cfg.block_size, False)]
@@ -34,10 +35,10 @@ def _pairs(module: Any, data: Any, target: Any) -> list[tuple[str, Any, str, Any
             pairs += [("data.target", data.target, "model.target", module.hparams.target, True),
                       ("data.target_layer_ids", data.target_layer_ids, "model.drafter.target_layer_ids",
                        list(cfg.target_layer_ids), False),
-                      ("data.final_hidden", data.final_hidden, objective, distills, False)]
+                      ("data.final_hidden", data.final_hidden, objective, final, False)]
     if target is not None:
         pairs += [("target.path", target.path, "model.target", module.hparams.target, True),
-                  ("target.final_hidden", target.final_hidden, objective, distills, False)]
+                  ("target.final_hidden", target.final_hidden, objective, final, False)]
         cache = data.hparams.get("feature_cache") if data is not None else None
         if data is not None:
             pairs += [("target.feature_cache", target.feature_cache, "data.feature_cache", cache, True)]

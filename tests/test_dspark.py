@@ -384,3 +384,73 @@ def test_import_refuses_a_folder_it_does_not_train_naming_the_field(exported, tm
     (copy / "config.json").write_text(json.dumps(c))
     with pytest.raises(ConfigError, match=message):
         import_folder(copy)
+
+
+def test_head_loss_with_the_heads_compiles_once_without_host_syncs():
+    """The chunked head loss with the DSpark heads in it (as `compile_blocks` compiles it): one graph for two
+    batches with other labels, weights and tokens (no recompile), no `.item()` / `.tolist()` in it."""
+    from torch._dynamo.utils import counters
+
+    from dflash_lightning.loss import chunked_head_loss
+
+    torch._dynamo.reset()
+    drafter = random_dspark(seed=5).float()
+    part = drafter.parts[0]
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(chunked_head_loss, backend=backend, fullgraph=True, dynamic=False)
+    counters.clear()
+    n = 6 * B
+    for seed in (1, 2):
+        g = torch.Generator().manual_seed(seed)
+        hidden = torch.randn(n, H, generator=g, requires_grad=True)
+        labels, prev = torch.randint(0, V, (n,), generator=g), torch.randint(0, V, (n,), generator=g)
+        weights = torch.rand(n, generator=g) * (torch.rand(n, generator=g) > 0.3)
+        teacher = torch.randn(n, H, generator=g)
+        args = (hidden, drafter.head_weight.float(), labels, weights, 2 * B, 3, B, DSPARK_LOSS)
+        total, *_ = compiled(*args, parts=((part, (prev, teacher)),))
+        ref, *_ = chunked_head_loss(*args, parts=((part, (prev, teacher)),))
+        torch.testing.assert_close(total, ref)
+        total.backward()
+    assert len(graphs) == 1 and not counters["recompiles"] and not counters["graph_break"]
+    sync_ops = ("item", "tolist", torch.ops.aten._local_scalar_dense.default)
+    assert not [node for node in graphs[0].graph.nodes if node.target in sync_ops]
+
+
+ENGINE = __import__("os").environ.get("DFLASH_ENGINE_PYTHON", "")
+
+
+@pytest.mark.skipif(not ENGINE, reason="no engine venv: $DFLASH_ENGINE_PYTHON is not set (tools/engine_venv.sh)")
+@pytest.mark.parametrize("with_markov", [True, False])
+def test_vllm_dspark_heads_compute_ours(with_markov, tmp_path):
+    """vLLM's own DSparkMarkovHead and DSparkConfidenceHead (qwen3_dspark.py), loaded with our weights by its
+    loader's rules, miss no weight, know every one, and give our Markov logit term and confidence (fp32)."""
+    import subprocess
+    from pathlib import Path
+
+    drafter = random_dspark(seed=6, dspark_heads=DSparkSettings(markov_rank=16, confidence_with_markov=with_markov))
+    drafter = drafter.float()
+    part = drafter.parts[0]
+    prev = torch.randint(0, V, (9,), generator=torch.Generator().manual_seed(0))
+    hidden = torch.randn(9, H, generator=torch.Generator().manual_seed(1))
+    weights = {k: v for k, v in drafter.state_dict().items() if part.owns(k)}
+    case = {"vocab_size": V, "hidden_size": H, "markov_rank": 16, "with_markov": with_markov, "weights": weights,
+            "inputs": {"prev": prev, "hidden": hidden}}
+    torch.save([case], tmp_path / "in.pt")
+    done = subprocess.run([ENGINE, str(Path(__file__).with_name("dspark_engines.py")), str(tmp_path / "in.pt"),
+                           str(tmp_path / "out.pt"), "vllm"], capture_output=True, text=True, timeout=900,
+                          cwd=Path(__file__).parent)
+    if done.returncode == 3:
+        pytest.skip(done.stderr.strip())
+    assert done.returncode == 0, done.stderr[-3000:]
+    (theirs,) = torch.load(tmp_path / "out.pt")
+    assert not theirs["missing"] and not theirs["unexpected"], theirs
+    with torch.no_grad():
+        ours_bias = part.markov_head(prev, torch.float32)
+        ours_conf = torch.sigmoid(part.confidence_head(hidden, part._markov_rows(prev)))
+    torch.testing.assert_close(theirs["bias"], ours_bias, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(theirs["confidence"], ours_conf, rtol=1e-5, atol=1e-6)

@@ -85,3 +85,18 @@ def test_a_legacy_pickled_drafter_config_comes_back_with_its_parts():
     back = pickle.loads(pickle.dumps(old))
     assert (back.conv.kernel_size, back.conv.group_size, back.selector.rank, back.selector.top_k) == (3, 8, 4, 5)
     assert not hasattr(back, "conv_kernel_size") and json.dumps(back.to_dict())
+
+
+def test_fp8_training_leaves_the_linears_a_part_reads_by_hand():
+    """`model.fp8=all` converts the backbone's linears and the convolutions', never the selector's projection, whose
+    weight the head loop reads as a tensor (`Part.fp8_exempt`)."""
+    pytest.importorskip("torchao")
+    from test_dflash2 import dflash2_config
+
+    from dflash_lightning.fp8 import convert_linears
+    from dflash_lightning.model import DFlashDrafter
+
+    drafter = convert_linears(DFlashDrafter(dflash2_config(rank=16)), "tensorwise", emulate=True)
+    assert type(drafter.candidate_selector.hidden_projection) is torch.nn.Linear
+    assert type(drafter.layers[0].self_attn.q_proj) is not torch.nn.Linear
+    assert type(drafter.layers[0].mlp_conv.kernel_projection) is not torch.nn.Linear

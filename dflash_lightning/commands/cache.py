@@ -31,7 +31,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                                 help="Tokens per target forward (consecutive samples); None: data.token_budget.")
             parser.add_argument("--final_hidden", type=bool | None, default=None,
                                 help="Also store the target's final hidden states (distillation's teacher, bf16); "
-                                     "None: when model.objective distills.")
+                                     "None: when training reads them (model.objective distills, or a "
+                                     "part of model.drafter.variant needs them).")
             parser.add_argument("--verify", type=bool, default=False,
                                 help="Only check an existing cache against the config and every shard's sha256.")
 
@@ -61,6 +62,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         dm, target.path, drafter.target_layer_ids, drafter.hidden_size, config.out, config.format, target.dtype,
         target.attn_implementation, int(config.shard_gb * 1e9), config.forward_tokens,
         {"accelerator": trainer_cfg.accelerator, "devices": trainer_cfg.devices, "num_nodes": trainer_cfg.num_nodes},
-        module.loss_settings.distills if config.final_hidden is None else config.final_hidden, target.compile,
+        module.needs_final_hidden if config.final_hidden is None else config.final_hidden, target.compile,
     )
 

@@ -70,7 +70,7 @@ class DFlashCLI(TypedSettingsCLI):
         for key in ("data.target_layer_ids", "target.layer_ids"):
             parser.link_arguments("model", key, compute_fn=_layer_ids, apply_on="instantiate")
         for key in ("data.final_hidden", "target.final_hidden"):
-            parser.link_arguments("model", key, compute_fn=_distills, apply_on="instantiate")
+            parser.link_arguments("model", key, compute_fn=_needs_final_hidden, apply_on="instantiate")
 
     def before_instantiate_classes(self) -> None:
         """`--trainer.enable_progress_bar=false` leaves out the config's progress bar (every shipped config names
@@ -171,8 +171,7 @@ def _layer_ids(model: DFlashModule) -> list[int]:
     return list(model.drafter_config.target_layer_ids)
 
 
-def _distills(model: DFlashModule) -> bool:
-    """Whether training reads the target's final hidden states: the objective distills, or a part needs them."""
+def _needs_final_hidden(model: DFlashModule) -> bool:
     return model.needs_final_hidden
 
 

@@ -11,7 +11,7 @@ How a new part plugs in:
    `DrafterConfig` field holding the settings: `model.drafter.<name>.<field>` on the command line) and
    `config_fields` (the `dflash_config` keys it exports, mapped to settings fields).
 2. `config.py`: one field `<name>: <Settings> = field(default_factory=<Settings>)` on `DrafterConfig`.
-3. `parts/presets.py`: the presets that include it (parts, `architectures` name, block layout).
+3. `parts/presets.py`: the presets that include it (parts, `architectures` name, serve commands).
 4. Override the hooks it needs; each has a do-nothing default. Call order in one training step:
    `head_inputs` (before the chunked head loop) -> `head_chunk` (inside it, per chunk of whole blocks, with
    the `[rows, V]` logits that exist only there) -> `loss` (after it, with what the chunks returned) ->
@@ -175,6 +175,9 @@ class Part(nn.Module):
     changes_backbone: ClassVar[bool] = False
     """Whether the part changes the backbone's hidden states (block convolutions): a drafter trained with it is
     never warm-started without it."""
+    fp8_exempt: ClassVar[bool] = False
+    """Whether the part's linears stay out of FP8 training (`model.fp8=all`): those whose weights the loss reads by
+    hand (`head_params`)."""
     needs_final_hidden: ClassVar[bool] = False
     """Whether training reads the target's final hidden states (`TrainInputs.final_hidden`)."""
     decodes: ClassVar[bool] = False

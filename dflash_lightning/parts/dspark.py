@@ -85,6 +85,8 @@ class DSparkHeads(Part):
     config_fields: ClassVar[dict[str, str]] = {}
     """DSpark's fields live at config.json's top level (`top_level_fields`), where vLLM reads markov_rank."""
     weight_prefix = None
+    # fp8_exempt stays false: the heads' weights are only ever read by hand (F.linear on `.weight`), never through
+    # their modules' forward, so an FP8 training linear in their place computes nothing differently.
     needs_final_hidden = True
     decodes = True
     head_rows = 1

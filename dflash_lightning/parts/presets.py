@@ -1,7 +1,7 @@
 """The drafter variants: each a named preset of parts on the DFlash backbone. The only place a variant is named.
 
 `model.drafter.variant` picks a row; the code elsewhere asks the preset for its parts, its `architectures` name
-(what vLLM and SGLang dispatch their loader on) and its block layout, never for its name.
+(what vLLM and SGLang dispatch their loader on), its block layout and its serve commands, never for its name.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ class Preset:
     architecture: str
     """config.json's `architectures` entry of its folder."""
     sample_from_anchor: bool = False
-    """Block layout: false, slot k predicts position p + k (docs/method.md 3); true, p + k + 1 (section 12)."""
+    """Block layout (`blocks.first_slot`): false, slot k predicts position p + k (docs/method.md 3); true, every slot
+    k = 0..B-1 predicts p + k + 1 (section 12's anchor-first block: B drafts a block)."""
     vllm_method: str = "dflash"
     """`--speculative-config` method that serves it in vLLM."""
     sglang_algorithm: str = "DFLASH"

@@ -51,6 +51,7 @@ class CandidateSelector(Part):
     weight_prefix = "candidate_selector"
     decodes = True
     head_rows = 1
+    fp8_exempt = True  # the loss reads hidden_projection's weight by hand
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)
