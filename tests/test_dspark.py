@@ -454,3 +454,36 @@ def test_vllm_dspark_heads_compute_ours(with_markov, tmp_path):
         ours_conf = torch.sigmoid(part.confidence_head(hidden, part._markov_rows(prev)))
     torch.testing.assert_close(theirs["bias"], ours_bias, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(theirs["confidence"], ours_conf, rtol=1e-5, atol=1e-6)
+
+
+# -- the module ----------------------------------------------------------------------------------------------------
+def dspark_module(tiny_target, **kw):
+    from dflash_lightning.module import DFlashModule
+
+    cfg = DrafterConfig(num_layers=2, block_size=B, variant="dspark", dspark_heads=DSparkSettings(markov_rank=8))
+    return DFlashModule(str(tiny_target), cfg, token_budget=64, num_anchors=8,
+                        **{"objective": "ce", "loss_weights": "decay", **kw})
+
+
+@pytest.mark.parametrize(("kw", "message"), [({"loss_weights": "dpace"}, "model.loss_weights=decay"),
+                                             ({"objective": "kl"}, "model.objective=ce")])
+def test_the_module_refuses_another_loss_for_dspark_naming_the_setting(tiny_target, kw, message):
+    with pytest.raises(ConfigError, match=message):
+        dspark_module(tiny_target, **kw)
+
+
+def test_a_step_without_the_final_hidden_states_is_refused_naming_the_variant(tiny_target):
+    from test_module import batch_with_features
+
+    module = dspark_module(tiny_target)
+    module.configure_model()
+    assert module.needs_final_hidden
+    batch = batch_with_features(tiny_target, module.drafter_config.target_layer_ids)
+    with pytest.raises(RuntimeError, match="model.drafter.variant 'dspark' needs the target's final hidden states"):
+        module.step(batch)
+    batch["final_hidden"] = torch.randn(64, module.drafter_config.hidden_size)
+    out = module.step(batch, topk=5, generator=torch.Generator().manual_seed(0))
+    out.loss.backward()
+    assert module.drafter.markov_head.markov_w1.weight.grad.abs().sum() > 0
+    assert module.buffers_.slot_weights.tolist() == pytest.approx([float(torch.exp(torch.tensor(-k / 4))) for k in
+                                                                   range(B)])
