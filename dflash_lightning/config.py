@@ -12,6 +12,7 @@ from typing import Any, Literal
 from dflash_lightning.errors import ConfigError
 from dflash_lightning.parts.convolutions import ConvSettings
 from dflash_lightning.parts.dspark import DSparkSettings
+from dflash_lightning.parts.lilicorr import LiLiCorrSettings
 from dflash_lightning.parts.presets import DEFAULT_VARIANT, PRESETS, Preset, preset
 from dflash_lightning.parts.selector import SelectorSettings
 
@@ -32,7 +33,8 @@ LEGACY_FIELDS = {
 LEGACY_RECORD = {f"drafter.{old}": f"drafter.{part}.{name}" for old, (part, name) in LEGACY_FIELDS.items()} | {
     "model.selector_alpha": "drafter.selector.loss_weight"}
 # Settings field -> its dataclass: each part's, nested under the drafter's config.
-PART_SETTINGS = {"conv": ConvSettings, "selector": SelectorSettings, "dspark_heads": DSparkSettings}
+PART_SETTINGS = {"conv": ConvSettings, "selector": SelectorSettings, "lilicorr": LiLiCorrSettings,
+                 "dspark_heads": DSparkSettings}
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -91,13 +93,16 @@ class DrafterConfig:
     default); true or false: every layer."""
 
     variant: Literal[VARIANTS] = DEFAULT_VARIANT  # type: ignore[valid-type]
-    """The preset of parts on the DFlash backbone: `dflash`; `dflash2`, + block convolutions and a candidate selector
-    (docs/method.md 10); `dspark`, anchor-first blocks + Markov and confidence heads (12). A part's settings below
-    are read only by a variant that has the part."""
+    """The preset of parts on the DFlash backbone (docs/parts.md): `dflash`; `dflash2`, + block convolutions and a
+    candidate selector (docs/method.md 10); `lilicorr`, + a candidate-lattice reranker (section 11);
+    `lilicorr-conv`, + the reranker and the block convolutions; `dspark`, anchor-first blocks + Markov and confidence
+    heads (section 12). A part's settings below are read only by a variant that has the part."""
     conv: ConvSettings = field(default_factory=ConvSettings)
-    """Block convolutions (dflash2)."""
+    """Block convolutions (dflash2, lilicorr-conv)."""
     selector: SelectorSettings = field(default_factory=SelectorSettings)
     """Candidate selector (dflash2)."""
+    lilicorr: LiLiCorrSettings = field(default_factory=LiLiCorrSettings)
+    """Candidate-lattice reranker (lilicorr, lilicorr-conv)."""
     dspark_heads: DSparkSettings = field(default_factory=DSparkSettings)
     """Markov and confidence heads (dspark)."""
 

@@ -243,7 +243,8 @@ class DFlashDrafter(nn.Module):
         self.reset_parameters()
 
     def compile_blocks(self, mode: str | None = None) -> None:
-        """Compile each decoder layer in place (one graph serves all of them) and the head loss.
+        """Compile each decoder layer in place (one graph serves all of them), the head loss and each part's own
+        training work (`Part.compile_hooks`).
 
         Per-layer graphs compile about n times faster than one graph of the whole drafter and
         keep state-dict keys free of `_orig_mod.`.
@@ -253,6 +254,8 @@ class DFlashDrafter(nn.Module):
         if type(self.fc) is not nn.Linear:  # torchao's float8 linear: its casts fuse only when compiled
             self.fc.compile(mode=mode, dynamic=False)
         self.head_loss = torch.compile(chunked_head_loss, mode=mode, dynamic=False)
+        for part in self.parts:
+            part.compile_hooks(mode)
 
     def reset_parameters(self, std: float = 0.02) -> None:
         """Initialise linear layers as Hugging Face does (normal, std 0.02) and norms to one."""

@@ -16,6 +16,7 @@ from dflash_lightning.hf.modeling_dflash import sampling_probs, verify_drafts
 from dflash_lightning.model import DFlashDrafter
 from dflash_lightning.parts.convolutions import ConvSettings
 from dflash_lightning.parts.dspark import DSparkSettings
+from dflash_lightning.parts.lilicorr import LiLiCorrSettings
 from dflash_lightning.parts.selector import SelectorSettings
 from dflash_lightning.target_model import load_target_io
 
@@ -317,7 +318,7 @@ class TableDecoder(SpeculativeDecoder):
         return torch.tensor(self.table[int(x)], device=x.device), None
 
 
-@pytest.mark.parametrize("drafting", ["table", "sliding", "dflash2", "dspark"])
+@pytest.mark.parametrize("drafting", ["table", "sliding", "dflash2", "lilicorr", "dspark"])
 def test_speculative_sampling_is_lossless(drafting):
     """The decoder's sequences at temperature 1 follow the target's exact sequence distribution (chi-square over
     all V^L sequences, rare ones pooled); sampling the residual from P instead of P without d_k fails it
@@ -325,9 +326,11 @@ def test_speculative_sampling_is_lossless(drafting):
     unlikely ones; `sliding`: a sliding-window drafter's own drafts (docs/method.md 3b), through the whole real path;
     `dflash2`: a DFlash2 drafter's selector samples its drafts from q = softmax(score / T) over K candidates and
     verification accepts with min(1, P/q) (section 10; a residual of P without d_k instead of max(0, P - q) fails it,
-    checked once); `dspark`: a DSpark drafter samples its B drafts from softmax(z / T), the Markov head fed each
-    sampled token (section 12), verified as DFlash2's are. Sampling is lossless whatever the drafts, so the
-    drafters' own drafts are also held to the training forward's."""
+    checked once); `lilicorr`: a LiLiCorr+conv drafter's walk samples each slot from q = softmax(row / T) over its K
+    candidates, row the sampled predecessor's pair row (section 11; the same broken residual fails it, checked once);
+    `dspark`: a DSpark drafter samples its B drafts from softmax(z / T), the Markov head fed each sampled token
+    (section 12), verified as DFlash2's are. Sampling is lossless whatever the drafts, so the drafters' own drafts
+    are also held to the training forward's."""
     V, L, B, samples = 5, 5, 4, 400
     config = Qwen3Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                          num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=64,
@@ -349,10 +352,13 @@ def test_speculative_sampling_is_lossless(drafting):
     # two layers: with one, slots 1..B-1 never see the context that only slot 0's window reaches
     window = {"layer_types": ["sliding_attention"] * 2, "sliding_window": 3} if drafting == "sliding" else {}
     variant = {"dflash2": {**DFLASH2, "selector": SelectorSettings(rank=4, top_k=3)},
+               "lilicorr": {"variant": "lilicorr-conv", "conv": ConvSettings(group_size=8),
+                            "lilicorr": LiLiCorrSettings(candidate_topk=4, hidden_size=16, factor_dim=8, num_layers=1,
+                                                         num_heads=2)},
                "dspark": DSPARK}.get(drafting, {})
     drafter = DFlashDrafter(DrafterConfig(num_layers=2 if window else 1, block_size=B, mask_token_id=V - 1,
                                           gamma=4.0, **window, **variant).resolved(config))
-    if variant:  # a selector and convolutions away from their initialisation, and q spread over the candidates
+    if variant:  # parts away from their initialisation, and q spread over the candidates
         for p in drafter.parameters():
             p.data += 0.3 * torch.randn_like(p)
         drafter.norm.weight.data *= 0.05  # the head is the target's, sharpened 20x above

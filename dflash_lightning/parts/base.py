@@ -213,11 +213,16 @@ class Part(nn.Module):
     def reset_parameters(self) -> None:
         """The part's initialisation (called after the backbone's, so a part's own init wins)."""
 
-    def owns(self, key: str) -> bool:
-        """Whether a weight name of the drafter's state dict is this part's."""
-        return self.weight_prefix is not None and key.startswith(self.weight_prefix + ".")
+    @classmethod
+    def owns(cls, key: str) -> bool:
+        """Whether a weight name of a drafter's state dict is this part's."""
+        return cls.weight_prefix is not None and key.startswith(cls.weight_prefix + ".")
 
     # --- training
+    def compile_hooks(self, mode: str | None = None) -> None:
+        """Compile the part's own training work in place at fixed shapes (`model.compile`; the head loop, and the
+        modules it adds to the layers, are compiled with the backbone's); nothing by default."""
+
     def head_params(self) -> tuple[Tensor, ...]:
         """Parameters whose gradients `head_chunk` accumulates by hand (in `HeadChunk.grads`)."""
         return ()

@@ -107,7 +107,8 @@ class BlockConvolutions(Part):
         for conv in self.convs:
             conv.reset_parameters()
 
-    def owns(self, key: str) -> bool:
+    @classmethod
+    def owns(cls, key: str) -> bool:
         return OWN_KEY.match(key) is not None
 
 

@@ -150,13 +150,15 @@ class DSparkHeads(Part):
         grad_w1, grad_w2, grad_proj_w, grad_proj_b = chunk.grads
         with torch.autocast(chunk.logits.device.type, enabled=False):
             dt = chunk.logits.dtype  # fp32 (fp64 in the tests)
+            # two [R, V] buffers beside the loop's own, worked in place: P_k, then Q - P, its sign, then d l1 / dz
             q = torch.exp(chunk.logits - chunk.lse)  # [R, V] the drafter's Q_k
-            p = torch.softmax(F.linear(teacher.to(chunk.head.dtype), chunk.head).to(dt), -1)  # [R, V] target's P_k
-            diff = q - p
-            l1 = diff.abs().sum(-1)  # [R] = 2 TV
-            sign = torch.sign(diff)
-            chunk.d_logits.add_(s.tv_weight * q * (sign - (sign * q).sum(-1, keepdim=True)))  # d l1 / dz
-            del diff, sign, p, q
+            work = torch.softmax(F.linear(teacher.to(chunk.head.dtype), chunk.head).to(dt), -1)  # [R, V] target's P_k
+            work.sub_(q).neg_()  # Q - P
+            l1 = work.abs().sum(-1)  # [R] = 2 TV
+            work.sign_()
+            work.sub_((work * q).sum(-1, keepdim=True)).mul_(q)  # d l1 / dz = q * (sign - sum(sign * q))
+            chunk.d_logits.add_(work, alpha=s.tv_weight)
+            del work, q
             markov = self._markov_rows(prev)
             logit = self.confidence_head(chunk.hidden.to(dt), markov).to(dt)  # [R]
             accept = 1 - l1 / 2  # BCE target, no gradient

@@ -253,6 +253,7 @@ class LiLiCorrReranker(Part):
     needs_final_hidden = True  # L_pen reads the target's logits at the candidates
     decodes = True
     head_rows = 4  # candidate ids, their logits, the row's logsumexp, softmax(logits) @ head
+    fp8_exempt = True  # the lattice (13% of the drafter's FLOPs) stays bf16 under model.fp8=all: FP8 unmeasured
 
     def __init__(self, config: Any) -> None:
         """`config`: the resolved drafter config (hidden_size, block_size, rms_norm_eps and the `lilicorr` settings)."""
@@ -351,8 +352,17 @@ class LiLiCorrReranker(Part):
         if batch.final_hidden is None:
             raise ValueError("lilicorr: the distractor penalty needs the target's final hidden states "
                              "(final_hidden), and the batch has none")
+        out, start, pair, ids = self.lattice_terms(batch, head.rows)
+        logs = {"lilicorr/loss": out.total.detach(), "lilicorr/ce": out.ce.detach(),
+                "lilicorr/margin": out.margin.detach(), "lilicorr/penalty": out.penalty.detach(),
+                "lilicorr/supervised": out.supervised.float().mean()}
+        return PartOutput(loss=out.total, logs=logs, rows=(start.detach(), pair.detach(), ids))
+
+    def lattice_terms(self, batch: TrainInputs, rows: tuple[Tensor, ...]
+                      ) -> tuple[LatticeLoss, Tensor, Tensor, Tensor]:
+        """The losses, start and pair scores and candidate ids of every block (what `compile_hooks` compiles)."""
         a, b = batch.labels.shape
-        ids, logits, lse, expected = (t.unflatten(0, (a, b - 1)) for t in head.rows)  # [A, S, ...]
+        ids, logits, lse, expected = (t.unflatten(0, (a, b - 1)) for t in rows)  # [A, S, ...]
         hidden = batch.hidden[:, 1:]  # [A, S, H]
         log_probs = candidate_log_probs(hidden, logits, lse, batch.head_weight, ids, expected)
         previous = (batch.anchors - 1).clamp_min(0)
@@ -360,10 +370,10 @@ class LiLiCorrReranker(Part):
         start, pair = self.scores(batch.embed_weight[ids], log_probs, hidden, batch.context[previous], anchor_valid)
         z = target_candidate_logits(batch.final_hidden[batch.before[:, 1:]], batch.head_weight, ids)
         out = lattice_loss(start, pair, ids, batch.labels[:, 1:], batch.supervised[:, 1:], z, self.settings)
-        logs = {"lilicorr/loss": out.total.detach(), "lilicorr/ce": out.ce.detach(),
-                "lilicorr/margin": out.margin.detach(), "lilicorr/penalty": out.penalty.detach(),
-                "lilicorr/supervised": out.supervised.float().mean()}
-        return PartOutput(loss=out.total, logs=logs, rows=(start.detach(), pair.detach(), ids))
+        return out, start, pair, ids
+
+    def compile_hooks(self, mode: str | None = None) -> None:
+        self.lattice_terms = torch.compile(self.lattice_terms, mode=mode, dynamic=False)
 
     @classmethod
     def metric(cls, block_size: int) -> Metric:

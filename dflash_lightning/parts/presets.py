@@ -13,6 +13,7 @@ from dflash_lightning.errors import ConfigError
 from dflash_lightning.parts.base import Part
 from dflash_lightning.parts.convolutions import BlockConvolutions
 from dflash_lightning.parts.dspark import DSparkHeads
+from dflash_lightning.parts.lilicorr import LiLiCorrReranker
 from dflash_lightning.parts.selector import CandidateSelector
 
 
@@ -39,6 +40,10 @@ PRESETS: dict[str, Preset] = {
     "dflash": Preset((), "DFlashDraftModel", summary="the DFlash drafter (docs/method.md sections 2-9)"),
     "dflash2": Preset((BlockConvolutions, CandidateSelector), "DFlash2DraftModel",
                       summary="+ block convolutions and a candidate selector (section 10)"),
+    "lilicorr": Preset((LiLiCorrReranker,), "LiLiCorrDraftModel",
+                       summary="+ a candidate-lattice reranker that walks each slot's top K (section 11)"),
+    "lilicorr-conv": Preset((BlockConvolutions, LiLiCorrReranker), "LiLiCorrDraftModel",
+                            summary="+ the lattice reranker and the block convolutions (section 11)"),
     "dspark": Preset((DSparkHeads,), "Qwen3DSparkModel", sample_from_anchor=True, vllm_method="dspark",
                      sglang_algorithm="DSPARK",
                      summary="anchor-first blocks + Markov and confidence heads (section 12)"),

@@ -1,0 +1,225 @@
+"""LiLiCorr drafters (docs/method.md section 11) end to end: the presets `lilicorr` and `lilicorr-conv` decode
+losslessly, the decoder's walk is the training lattice's, the folder round-trips, warm starts across variants."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_speculative import EOS, random_drafter, random_prompts, target  # noqa: F401 (fixture)
+
+from dflash_lightning.blocks import slot_weights
+from dflash_lightning.config import ConfigError
+from dflash_lightning.decoding.speculative import SpeculativeDecoder, target_generate
+from dflash_lightning.export import import_folder, write_folder
+from dflash_lightning.model import DFlashDrafter
+from dflash_lightning.module import warm_start
+from dflash_lightning.parts.convolutions import ConvSettings
+from dflash_lightning.parts.lilicorr import LiLiCorrSettings, greedy_walk
+from dflash_lightning.parts.selector import SelectorSettings
+
+# small geometry for the tiny target (H 64, V 64): K 4, Hh 16, F 8, one layer of two heads
+LATTICE = LiLiCorrSettings(candidate_topk=4, hidden_size=16, factor_dim=8, num_layers=1, num_heads=2)
+LILICORR = {"variant": "lilicorr", "lilicorr": LATTICE}
+LILICORR_CONV = {"variant": "lilicorr-conv", "conv": ConvSettings(group_size=8), "lilicorr": LATTICE}
+DFLASH2 = {"variant": "dflash2", "conv": ConvSettings(group_size=8), "selector": SelectorSettings(rank=4)}
+
+
+@pytest.mark.parametrize("variant", [LILICORR, LILICORR_CONV], ids=["lilicorr", "lilicorr-conv"])
+@pytest.mark.parametrize("block_size", [2, 4, 8])
+def test_greedy_lattice_decoding_is_the_targets_token_for_token(target, block_size, variant):  # noqa: F811
+    drafter = random_drafter(target, block_size, seed=block_size, **variant)
+    decoder = SpeculativeDecoder(target, drafter)
+    for i, ids in enumerate(random_prompts(6, seed=block_size)):
+        eos = EOS if i % 2 else None
+        spec, base = decoder.generate(ids, 16, eos), target_generate(target, ids, 16, eos)
+        assert spec.tokens == base.tokens, f"prompt {i}"
+
+
+class WalkRecorder(SpeculativeDecoder):
+    """Records each step's block start and the drafts the part's walk proposed."""
+
+    def __init__(self, target_model, drafter) -> None:
+        super().__init__(target_model, drafter)
+        self.steps: list[tuple[int, list[int]]] = []
+
+    def draft(self, context, x, start, *sampling):
+        drafts, q = super().draft(context, x, start, *sampling)
+        self.steps.append((start, drafts.tolist()))
+        return drafts, q
+
+
+def test_the_decoders_walk_is_the_training_lattices_over_a_whole_prefix(target):  # noqa: F811
+    """Every greedy block the decoder drafted equals the greedy walk of the training forward's lattice for the same
+    anchor, over the target features of the whole verified sequence (candidates, l, c_{p-1}, scores: one rule)."""
+    drafter = random_drafter(target, 4, seed=3, **LILICORR_CONV).double()
+    drafter.set_target_io(target.get_input_embeddings().weight.detach().double(),
+                          target.get_output_embeddings().weight.detach().double())
+    decoder = WalkRecorder(target, drafter)
+    prompt = random_prompts(1, seed=7)[0]
+    out = decoder.generate(prompt, 24)
+    ids = torch.cat([prompt, torch.tensor(out.tokens)])
+    with torch.no_grad():
+        states = target(input_ids=ids[None], output_hidden_states=True).hidden_states
+        features = torch.cat([states[j + 1][0] for j in decoder.layer_ids], -1).double()
+        final = states[-1][0].double()  # the target's final normed hidden states (section 4c's teacher)
+        starts = torch.tensor([s for s, _ in decoder.steps])
+        n = ids.numel()
+        train = drafter(features, ids, torch.arange(n), torch.zeros_like(ids), torch.ones(n, dtype=torch.bool),
+                        starts, torch.ones_like(starts, dtype=torch.bool), slot_weights(4, 4.0).double(),
+                        final_hidden=final)
+    start, pair, cand = train.parts["lilicorr"].rows
+    walked = cand.gather(-1, greedy_walk(start, pair)[..., None])[..., 0]  # [steps, B-1]
+    assert len(decoder.steps) > 4  # several blocks, each at p > 0 (c_{p-1} read)
+    assert walked.tolist() == [drafts for _, drafts in decoder.steps]
+
+
+@pytest.mark.parametrize("variant", [LILICORR, LILICORR_CONV], ids=["lilicorr", "lilicorr-conv"])
+def test_folder_round_trip_names_the_variant_by_its_fields(target, tmp_path, variant):  # noqa: F811
+    drafter = random_drafter(target, 8, **variant)
+    folder = write_folder(drafter.config, drafter.state_dict(), tmp_path / "d")
+    c = json.loads((folder / "config.json").read_text())
+    assert c["architectures"] == ["LiLiCorrDraftModel"] and "auto_map" not in c  # no trust_remote_code class
+    assert c["dflash_config"]["lilicorr_enabled"] is True
+    assert ("conv_kernel_size" in c["dflash_config"]) == (variant is LILICORR_CONV)
+    cfg, state = import_folder(folder)
+    assert cfg.variant == variant["variant"] and cfg.lilicorr == LATTICE
+    assert {**cfg.to_dict(), "gamma": 4.0} == drafter.config.to_dict()  # gamma: a training choice, not in folders
+    assert all(torch.equal(v, drafter.state_dict()[k]) for k, v in state.items())
+
+
+def test_warm_starts_across_the_variants(target, tmp_path):  # noqa: F811
+    """DFlash and DFlash2 start LiLiCorr+conv (the lattice fresh; DFlash2's selector dropped with a line); DFlash2
+    cannot start plain LiLiCorr (its convolutions shaped the backbone); DFlash starts plain LiLiCorr."""
+    folders = {}
+    for name, variant in (("dflash", {}), ("dflash2", DFLASH2)):
+        source = random_drafter(target, 8, seed=1, **variant)
+        folders[name] = write_folder(source.config, source.state_dict(), tmp_path / name)
+    for name, variant in (("dflash", LILICORR_CONV), ("dflash2", LILICORR_CONV), ("dflash", LILICORR)):
+        drafter = random_drafter(target, 8, seed=2, **variant)
+        source = import_folder(folders[name])[1]
+        fresh = {k: v.clone() for k, v in drafter.state_dict().items() if k not in source}  # the parts it lacks
+        assert any(k.startswith("lilicorr.") for k in fresh)
+        warm_start(drafter, str(folders[name]))
+        for k, v in drafter.state_dict().items():
+            assert torch.equal(v, fresh[k] if k in fresh else source[k]), (name, k)
+    with pytest.raises(ConfigError, match=r"a dflash2 drafter cannot start a lilicorr run: its conv part\(s\)"):
+        warm_start(random_drafter(target, 8, **LILICORR), str(folders["dflash2"]))
+
+
+def test_a_lilicorr_step_without_the_final_hidden_state_is_refused_naming_the_setting(target):  # noqa: F811
+    """Online, the CLI links target.final_hidden to the variant; objects wired by hand are checked in one line."""
+    from types import SimpleNamespace
+
+    from dflash_lightning.wiring import check_wiring
+
+    module = SimpleNamespace(drafter_config=random_drafter(target, 8, **LILICORR).config, needs_final_hidden=True,
+                             loss_settings=SimpleNamespace(distills=False, objective="ce"),
+                             hparams=SimpleNamespace(target="t", token_budget=64))
+    features = SimpleNamespace(path="t", final_hidden=False, feature_cache=None, layer_ids=None, token_budget=None)
+    with pytest.raises(ConfigError, match=r"^target\.final_hidden False differs from model\.drafter\.variant "
+                                          r"\(lilicorr: reads the target's final hidden states\) True"):
+        check_wiring(module, None, features)
+
+
+def test_drafter_of_the_preset_has_the_parts_weights(target):  # noqa: F811
+    plain, conv = (DFlashDrafter(random_drafter(target, 8, **v).config) for v in (LILICORR, LILICORR_CONV))
+    assert {type(p).__name__ for p in conv.parts} == {"BlockConvolutions", "LiLiCorrReranker"}
+    assert not any("_conv." in k for k in plain.state_dict()) and any("_conv." in k for k in conv.state_dict())
+    assert {k for k in plain.state_dict() if k.startswith("lilicorr.")} == {
+        k for k in conv.state_dict() if k.startswith("lilicorr.")}
+
+
+@pytest.fixture(scope="module")
+def lilicorr_run(tmp_path_factory):
+    """A 4-step LiLiCorr+conv fit through the CLI on the small config (online target, final hidden states linked)."""
+    import yaml
+    from test_cli import small_config
+
+    from dflash_lightning.cli import cli_main
+
+    root = tmp_path_factory.mktemp("lilicorr")
+    config = small_config(root, 40, 8)
+    config["trainer"].update(default_root_dir=str(root / "runs"), max_steps=4, val_check_interval=2,
+                             limit_val_batches=2, log_every_n_steps=1)
+    for logger in config["trainer"]["logger"]:
+        logger["init_args"]["save_dir"] = str(root / "runs")
+    for callback in config["trainer"]["callbacks"]:
+        if callback["class_path"].endswith("ModelCheckpoint"):
+            callback["init_args"]["dirpath"] = str(root / "runs" / "checkpoints")
+    config["model"]["drafter"].update(variant="lilicorr-conv", conv={"group_size": 8}, lilicorr={
+        "candidate_topk": 4, "hidden_size": 16, "factor_dim": 8, "num_layers": 1, "num_heads": 2})
+    config["spec_eval"] = {"prompts": str(root / "val.jsonl"), "every_n_steps": 2, "num_prompts": 2,
+                           "max_new_tokens": 8}
+    path = root / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return cli_main(["fit", "--config", str(path), "--model.metrics_every=2"]), root
+
+
+def test_lilicorr_trains_through_the_module_and_logs_its_metrics(lilicorr_run):
+    cli, _ = lilicorr_run
+    trainer, module = cli.trainer, cli.model
+    assert trainer.global_step == 4 and module.needs_final_hidden
+    assert cli.config_init.fit.target.final_hidden is True  # linked from the variant's part, not the objective
+    logged = trainer.logged_metrics
+    for key in ("train/loss", "train/tau", "train/lilicorr/loss", "train/lilicorr/tau", "train/lilicorr/oracle_tau",
+                "train/lilicorr/recall", "train/lilicorr/spread", "val/lilicorr/tau", "val/tau_served"):
+        assert key in logged, key
+    assert logged["val/speculative_mismatches"] == 0  # the walk's greedy drafts, served losslessly
+    assert float(logged["train/lilicorr/spread"]) > 0  # the scores have not collapsed
+    grads = module.drafter.lilicorr.in_head.weight
+    assert not torch.equal(grads, torch.zeros_like(grads))
+
+
+def test_a_lilicorr_checkpoint_exports_and_imports(lilicorr_run, tmp_path):
+    from dflash_lightning.export import export_checkpoint
+
+    _, root = lilicorr_run
+    ckpt = root / "runs" / "checkpoints" / "last.ckpt"
+    folder = export_checkpoint(ckpt, tmp_path / "out")
+    cfg, state = import_folder(folder)
+    assert cfg.variant == "lilicorr-conv" and cfg.lilicorr.candidate_topk == 4
+    assert any(k.startswith("lilicorr.layers.0.attn.in_proj_weight") for k in state)
+
+
+def test_compiled_lilicorr_step_equals_the_eager_one_without_recompiling(tiny_target):
+    """`model.compile` compiles the lattice's terms too (`Part.compile_hooks`): the same loss and gradients as eager,
+    and a second batch of other anchors and labels reuses the graphs; a batch without the final hidden states is
+    refused naming the variant."""
+    from dataclasses import replace
+
+    from test_module import batch_with_features
+    from torch._dynamo.utils import counters
+
+    from dflash_lightning.config import DrafterConfig
+    from dflash_lightning.module import DFlashModule
+
+    # K 16 of the tiny target's 60 tokens: an untrained drafter's labels are often among its candidates
+    drafter = DrafterConfig(num_layers=2, block_size=8,
+                            **{**LILICORR_CONV, "lilicorr": replace(LATTICE, candidate_topk=16)})
+    modules = []
+    for compile in (False, True):
+        torch.manual_seed(0)
+        module = DFlashModule(str(tiny_target), replace(drafter), token_budget=64, num_anchors=8, compile=compile)
+        module.configure_model()
+        modules.append(module)
+    eager, compiled = modules
+    compiled.load_state_dict(eager.state_dict())
+    batch = batch_with_features(tiny_target, eager.drafter_config.target_layer_ids)
+    with pytest.raises(RuntimeError, match="model.drafter.variant 'lilicorr-conv' needs the target's final hidden"):
+        eager.step(batch)
+    batch["final_hidden"] = torch.randn(64, 64, generator=torch.Generator().manual_seed(1))
+    counters.clear()
+    for seed in (3, 4):
+        outs = [m.step(batch, generator=torch.Generator().manual_seed(seed)) for m in (eager, compiled)]
+        for m, out in zip((eager, compiled), outs, strict=True):
+            m.drafter.zero_grad()
+            out.loss.backward()
+        torch.testing.assert_close(outs[0].loss, outs[1].loss, rtol=1e-5, atol=1e-5)
+        for name in ("lilicorr.in_head.weight", "fc.weight", "layers.0.mlp_conv.kernel_projection.weight"):
+            grads = [m.drafter.get_parameter(name).grad for m in (eager, compiled)]
+            torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-6)
+        assert float(outs[0].parts["lilicorr"].logs["lilicorr/supervised"]) > 0  # the lattice loss is not empty
+    assert compiled.drafter.lilicorr.lattice_terms is not eager.drafter.lilicorr.lattice_terms
+    assert not counters["recompiles"], dict(counters["recompiles"])
