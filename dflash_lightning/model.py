@@ -207,7 +207,8 @@ class DraftOutput:
     weights: Tensor
     """Loss weight of every slot this step (D-PACE: from this step's CE).  # [A, B]"""
     supervised: Tensor
-    """Slots that count: a valid anchor, k >= 1, label in the loss mask and the anchor's document.  # [A, B]"""
+    """Slots that count: a valid anchor, k >= 1 (anchor-first: k >= 0, a prefix), label in the loss mask and the
+    anchor's document.  # [A, B]"""
     labels: Tensor
     """Target token of every slot.  # [A, B]"""
     topk: Tensor | None

