@@ -80,15 +80,18 @@ def drafter_config(settings: LiLiCorrSettings = SETTINGS, eps: float = 1e-6) -> 
 
 
 def reranker(settings: LiLiCorrSettings = SETTINGS, seed: int = 0, eps: float = 1e-6) -> LiLiCorrReranker:
-    """A fp64 reranker with every table and bias randomised (a fresh one has zeros that would hide mistakes)."""
+    """A fp64 reranker with every weight, table and bias random and of a size that matters (a fresh one has zeros
+    and 0.02-scale weights that would hide mistakes)."""
     torch.manual_seed(seed)
     m = LiLiCorrReranker(drafter_config(settings, eps)).double()
     with torch.no_grad():
         for name, p in m.named_parameters():
-            if "weight" not in name or "norm" in name:
-                p.normal_(0, 0.5)
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
+            elif p.dim() == 2 and "weight" in name:
+                p.normal_(0, p.shape[1] ** -0.5)
+            else:
+                p.normal_(0, 0.5)
     return m
 
 
@@ -555,7 +558,8 @@ def test_draft_walks_the_decoders_lattice():
     c_{p-1} (0 at p = 0); sampled drafts come with q on the K candidates only, summing to 1."""
     m = reranker()
     g = torch.Generator().manual_seed(4)
-    hidden, head = torch.randn(S, H, generator=g, dtype=torch.float64), torch.randn(V, H, dtype=torch.float64)
+    hidden = torch.randn(S, H, generator=g, dtype=torch.float64) / 8  # flat logits: lse is well above the max
+    head = torch.randn(V, H, dtype=torch.float64)
     embed, context = torch.randn(V, H, dtype=torch.float64), torch.randn(H, dtype=torch.float64)
     logits = hidden @ head.T
     ids = logits.topk(4, -1).indices

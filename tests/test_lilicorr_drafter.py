@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from test_features_cache import SHARD_GB, setup  # noqa: F401 (fixture)
 from test_speculative import EOS, random_drafter, random_prompts, target  # noqa: F401 (fixture)
 
 from dflash_lightning.blocks import slot_weights
@@ -89,7 +90,7 @@ def test_folder_round_trip_names_the_variant_by_its_fields(target, tmp_path, var
     assert all(torch.equal(v, drafter.state_dict()[k]) for k, v in state.items())
 
 
-def test_warm_starts_across_the_variants(target, tmp_path):  # noqa: F811
+def test_warm_starts_across_the_variants(target, tmp_path, caplog):  # noqa: F811
     """DFlash and DFlash2 start LiLiCorr+conv (the lattice fresh; DFlash2's selector dropped with a line); DFlash2
     cannot start plain LiLiCorr (its convolutions shaped the backbone); DFlash starts plain LiLiCorr."""
     folders = {}
@@ -101,9 +102,12 @@ def test_warm_starts_across_the_variants(target, tmp_path):  # noqa: F811
         source = import_folder(folders[name])[1]
         fresh = {k: v.clone() for k, v in drafter.state_dict().items() if k not in source}  # the parts it lacks
         assert any(k.startswith("lilicorr.") for k in fresh)
-        warm_start(drafter, str(folders[name]))
+        with caplog.at_level("INFO"):
+            warm_start(drafter, str(folders[name]))
         for k, v in drafter.state_dict().items():
             assert torch.equal(v, fresh[k] if k in fresh else source[k]), (name, k)
+    dropped = [r.getMessage() for r in caplog.records if "weights are not used" in r.getMessage()]
+    assert len(dropped) == 1 and "dflash2 drafter's selector weights" in dropped[0]  # named, not silently lost
     with pytest.raises(ConfigError, match=r"a dflash2 drafter cannot start a lilicorr run: its conv part\(s\)"):
         warm_start(random_drafter(target, 8, **LILICORR), str(folders["dflash2"]))
 
@@ -223,3 +227,43 @@ def test_compiled_lilicorr_step_equals_the_eager_one_without_recompiling(tiny_ta
         assert float(outs[0].parts["lilicorr"].logs["lilicorr/supervised"]) > 0  # the lattice loss is not empty
     assert compiled.drafter.lilicorr.lattice_terms is not eager.drafter.lilicorr.lattice_terms
     assert not counters["recompiles"], dict(counters["recompiles"])
+
+
+def test_evaluate_walks_a_lilicorr_checkpoint_greedy_and_sampled(lilicorr_run, tmp_path):
+    """`evaluate` on the fit's checkpoint: greedy walks reproduce the target's own output, sampled walks (q over the K
+    candidates) are verified and counted like any drafts."""
+    from dflash_lightning.commands.evaluate import main
+
+    _, root = lilicorr_run
+    out = tmp_path / "eval"
+    main(["--drafter", str(root / "runs" / "checkpoints" / "last.ckpt"), "--prompts", str(root / "val.jsonl"),
+          "--out", str(out), "--max_new_tokens", "12", "--num_prompts", "3", "--device", "cpu", "--dtype", "float32",
+          "--temperature", "0,1", "--seed", "3"])
+    greedy, sampled = json.loads((out / "report.json").read_text())["per_temperature"].values()
+    assert greedy["mismatches"] == 0 and greedy["num_prompts"] == sampled["num_prompts"] == 3
+    for run in (greedy, sampled):
+        assert sum(run["acceptance_histogram"]) == run["steps"] > 0 and 1 <= run["expected_tau_pooled"] <= 8
+
+
+LATTICE_ARGS = ["--model.drafter.variant=lilicorr-conv", "--model.drafter.conv.group_size=8",
+                "--model.drafter.lilicorr.candidate_topk=4", "--model.drafter.lilicorr.hidden_size=16",
+                "--model.drafter.lilicorr.factor_dim=8", "--model.drafter.lilicorr.num_layers=1",
+                "--model.drafter.lilicorr.num_heads=2"]
+
+
+def test_a_cache_written_for_lilicorr_holds_the_final_hidden_state_and_trains_it_offline(setup, tmp_path):  # noqa: F811
+    """`cache` stores the final hidden states for a LiLiCorr config by default; a fit reads them from the cache; a
+    cache without them is refused in one line naming the flag that writes them."""
+    from dflash_lightning.cli import cli_main
+    from dflash_lightning.data.feature_cache import FeatureCache, FeatureCacheError
+
+    s = setup
+    out = tmp_path / "lilicorr"
+    cli_main(["cache", "--config", s["config"], "--out", str(out), "--shard_gb", SHARD_GB, *LATTICE_ARGS])
+    assert FeatureCache(out).manifest["final_hidden"] is True
+    cli = cli_main(["fit", "--config", s["config"], f"--data.feature_cache={out}", *LATTICE_ARGS,
+                    "--trainer.max_steps=2", "--trainer.limit_val_batches=0", f"--trainer.default_root_dir={tmp_path}"])
+    assert cli.trainer.global_step == 2 and cli.model.drafter.lilicorr is not None
+    with pytest.raises(FeatureCacheError, match="has no final_hidden .* --final_hidden true"):
+        cli_main(["fit", "--config", s["config"], f"--data.feature_cache={s['root'] / 'bf16'}", *LATTICE_ARGS,
+                  "--trainer.max_steps=1", f"--trainer.default_root_dir={tmp_path / 'b'}"])
