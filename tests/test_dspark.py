@@ -512,3 +512,20 @@ def test_a_cache_written_for_dspark_holds_the_final_hidden_state_and_trains_it_o
     with pytest.raises(FeatureCacheError, match="has no final_hidden .* --final_hidden true"):
         cli_main(["fit", "--config", setup["config"], f"--data.feature_cache={setup['root'] / 'bf16'}", *DSPARK_ARGS,
                   "--trainer.max_steps=1", f"--trainer.default_root_dir={tmp_path / 'b'}"])
+
+
+def test_the_heads_refuse_to_share_the_head_loop(monkeypatch):
+    """The heads take the loop's finished dz to the Markov weights, so a preset with another in-loop part is refused
+    when the drafter is built (one of block convolutions and DSpark is not)."""
+    from dflash_lightning.parts import presets
+    from dflash_lightning.parts.convolutions import BlockConvolutions, ConvSettings
+    from dflash_lightning.parts.selector import CandidateSelector, SelectorSettings
+
+    row = presets.PRESETS["dspark"]
+    monkeypatch.setitem(presets.PRESETS, "dspark", presets.Preset((CandidateSelector, DSparkHeads), row.architecture,
+                                                                  sample_from_anchor=True))
+    with pytest.raises(ValueError, match="cannot share the head loop with CandidateSelector"):
+        DFlashDrafter(dspark_config(selector=SelectorSettings(rank=4, top_k=5)))
+    monkeypatch.setitem(presets.PRESETS, "dspark", presets.Preset((BlockConvolutions, DSparkHeads), row.architecture,
+                                                                  sample_from_anchor=True))
+    DFlashDrafter(dspark_config(conv=ConvSettings(group_size=8)))

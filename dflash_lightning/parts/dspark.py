@@ -102,6 +102,10 @@ class DSparkHeads(Part):
         self.reset_parameters()
 
     def attach(self, drafter: nn.Module) -> None:
+        in_loop = [type(p).__name__ for p in drafter.parts
+                   if p is not self and type(p).head_chunk is not Part.head_chunk]
+        if in_loop:  # head_chunk takes the loop's finished dz to the Markov weights: nothing may add to it after
+            raise ValueError(f"DSpark's heads cannot share the head loop with {', '.join(in_loop)}")
         drafter.add_module("markov_head", self.markov_head)
         drafter.add_module("confidence_head", self.confidence_head)
 
