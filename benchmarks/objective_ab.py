@@ -13,6 +13,11 @@ The DFlash / DFlash2 A/B (issue 24), sampled too, on a GPU (`--device cuda`: fit
     python benchmarks/objective_ab.py --recipes dpace-ce,dflash2-dpace-ce --temperatures 0,0.6,1 --device cuda \
         --out benchmarks/results/tiny-dflash2-ab.json
 
+DSpark against DFlash2 at the tiny default's block size (issue 37; not yet run):
+
+    python benchmarks/objective_ab.py --recipes dflash2-dpace-ce,dspark --temperatures 0,0.6,1 --device cuda \
+        --out benchmarks/results/tiny-dspark-ab.json
+
 Features from an FP8 target against a bf16 one (issue 26), on a Hopper GPU:
 
     python benchmarks/objective_ab.py --recipes target-bf16,target-fp8 --device cuda --jobs 6 --threads 2 --out X.json
@@ -40,6 +45,8 @@ RECIPES = {
     "decay-kl": {"model.objective": "kl", "model.loss_weights": "decay"},
     "dpace-kl": {"model.objective": "kl", "model.loss_weights": "dpace"},
     "dflash2-dpace-ce": {"model.objective": "ce", "model.loss_weights": "dpace", "model.drafter.variant": "dflash2"},
+    # DSpark (docs/dspark.md): its own loss (decay weights exp(-k/4), reads the target's final hidden states)
+    "dspark": {"model.objective": "ce", "model.loss_weights": "decay", "model.drafter.variant": "dspark"},
     # the features a drafter trains on from a bf16 or an FP8 target (Hopper GPUs), served by the same fp32 target
     "target-bf16": {"target.dtype": "bfloat16"},
     "target-fp8": {"target.dtype": "bfloat16", "target.fp8": True},

@@ -1,4 +1,4 @@
-"""The block rules of docs/method.md sections 3-4b: anchors, block inputs, labels, slot weights, block mask.
+"""The block rules of docs/method.md sections 3-4b and 12: anchors, block inputs, labels, slot weights, block mask.
 
 One implementation of each rule, used by training, evaluation and export; every tensor has a fixed
 shape set by the token budget T, the anchor count A and the block size B, so the step compiles once.
@@ -14,21 +14,33 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_mask
 
 
-def slot_weights(block_size: int, gamma: float, device: torch.device | str | None = None) -> Tensor:
-    """Loss weight of each slot: 0 for slot 0, exp(-(k-1)/gamma) for slot k >= 1.  # [B]"""
+def first_slot(sample_from_anchor: bool = False) -> int:
+    """The first slot that predicts a token: 1 in section 3's block (slot k predicts p + k), 0 in section 12's
+    anchor-first block (slot k predicts p + k + 1). Slots `first_slot..B-1` are the drafts of a block."""
+    return 0 if sample_from_anchor else 1
+
+
+def slot_weights(
+    block_size: int, gamma: float, device: torch.device | str | None = None, sample_from_anchor: bool = False,
+) -> Tensor:
+    """Loss weight of each slot: 0 for slot 0, exp(-(k-1)/gamma) for slot k >= 1; anchor-first (section 12)
+    exp(-k/gamma) for every slot k >= 0.  # [B]"""
     k = torch.arange(block_size, dtype=torch.float32, device=device)
+    if sample_from_anchor:
+        return torch.exp(-k / gamma)
     return torch.where(k == 0, torch.zeros_like(k), torch.exp(-(k - 1) / gamma))
 
 
-def base_slot_weights(block_size: int, loss_weights: str, gamma: float) -> Tensor:
-    """Per-slot weights before the data: the decay of section 4, or 1 for every slot k >= 1 under D-PACE.  # [B]
+def base_slot_weights(block_size: int, loss_weights: str, gamma: float, sample_from_anchor: bool = False) -> Tensor:
+    """Per-slot weights before the data: the decay of section 4 (12: anchor-first), or 1 for every slot that
+    predicts under D-PACE.  # [B]
 
     Under D-PACE the weights follow from each step's CE inside the loss (`dpace_weights`); here they
     only mark which slots count.
     """
     if loss_weights == "dpace":
-        return (torch.arange(block_size) > 0).float()
-    return slot_weights(block_size, gamma)
+        return (torch.arange(block_size) >= first_slot(sample_from_anchor)).float()
+    return slot_weights(block_size, gamma, sample_from_anchor=sample_from_anchor)
 
 
 def dpace_weights(ce: Tensor, supervised: Tensor, alpha: float = 0.5) -> Tensor:
@@ -84,12 +96,19 @@ def block_positions(anchors: Tensor, block_size: int) -> Tensor:
     return anchors[:, None] + torch.arange(block_size, device=anchors.device)
 
 
-def teacher_positions(anchors: Tensor, block_size: int, total: int) -> Tensor:
-    """Packed index of the target hidden state that predicts each slot: anchor + k - 1 (section 4c).  # [A, B]
+def label_positions(anchors: Tensor, block_size: int, sample_from_anchor: bool = False) -> Tensor:
+    """Packed index of the token each slot predicts: anchor + k (section 3), anchor + k + 1 anchor-first
+    (section 12).  # [A, B]"""
+    return block_positions(anchors, block_size) + (1 - first_slot(sample_from_anchor))
 
-    Slot 0 and slots past the budget are clamped into the row; their weight is 0.
+
+def teacher_positions(anchors: Tensor, block_size: int, total: int, sample_from_anchor: bool = False) -> Tensor:
+    """Packed index of the target hidden state that predicts each slot's label: the label's position - 1 (section
+    4c; anchor-first: anchor + k).  # [A, B]
+
+    Slots that predict nothing and slots past the budget are clamped into the row; their weight is 0.
     """
-    return (block_positions(anchors, block_size) - 1).clamp(0, total - 1)
+    return (label_positions(anchors, block_size, sample_from_anchor) - 1).clamp(0, total - 1)
 
 
 def block_input_ids(input_ids: Tensor, anchors: Tensor, block_size: int, mask_token_id: int) -> Tensor:
@@ -106,17 +125,21 @@ def block_labels(
     anchors: Tensor,
     anchor_valid: Tensor,
     weights_per_slot: Tensor,
+    sample_from_anchor: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    """Labels `[A, B]` (the data token at anchor + k) and their loss weights `[A, B]`.
+    """Labels `[A, B]` (the data token at `label_positions`) and their loss weights `[A, B]`.
 
-    A weight is 0 for slot 0, for labels outside the loss mask, past the document or the budget,
-    and for invalid anchors; otherwise it is the slot's weight.
+    A weight is 0 for slot 0 (section 3's block), for labels outside the loss mask, past the document or the
+    budget, and for invalid anchors; otherwise it is the slot's weight. Anchor-first (section 12) a slot counts
+    only where every slot before it does too (DeepSpec's running product m_k).
     """
     total = input_ids.numel()
-    pos = block_positions(anchors, weights_per_slot.numel())  # [A, B]
+    pos = label_positions(anchors, weights_per_slot.numel(), sample_from_anchor)  # [A, B]
     inside = pos < total
     pos = pos.clamp(max=total - 1)
     supervised = inside & loss_mask[pos] & (doc_ids[pos] == doc_ids[anchors][:, None]) & anchor_valid[:, None]
+    if sample_from_anchor:
+        supervised = supervised.int().cumprod(-1).bool()
     return input_ids[pos], weights_per_slot[None, :] * supervised
 
 

@@ -11,12 +11,15 @@ from typing import Any, Literal
 
 from dflash_lightning.errors import ConfigError
 from dflash_lightning.parts.convolutions import ConvSettings
+from dflash_lightning.parts.dspark import DSparkSettings
 from dflash_lightning.parts.lilicorr import LiLiCorrSettings
 from dflash_lightning.parts.presets import DEFAULT_VARIANT, PRESETS, Preset, preset
 from dflash_lightning.parts.selector import SelectorSettings
 
 # Loss decay per block size (docs/method.md section 4); other block sizes must set gamma explicitly.
 DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+# Anchor-first blocks (section 12): w_k = exp(-k / 4) whatever the block size (DeepSpec's loss_decay_gamma).
+ANCHOR_FIRST_GAMMA = 4.0
 # Attention types of a drafter layer, named as config.json's `layer_types` names them (docs/method.md section 3b).
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # Drafter variants: the presets of parts (parts/presets.py).
@@ -30,7 +33,8 @@ LEGACY_FIELDS = {
 LEGACY_RECORD = {f"drafter.{old}": f"drafter.{part}.{name}" for old, (part, name) in LEGACY_FIELDS.items()} | {
     "model.selector_alpha": "drafter.selector.loss_weight"}
 # Settings field -> its dataclass: each part's, nested under the drafter's config.
-PART_SETTINGS = {"conv": ConvSettings, "selector": SelectorSettings, "lilicorr": LiLiCorrSettings}
+PART_SETTINGS = {"conv": ConvSettings, "selector": SelectorSettings, "lilicorr": LiLiCorrSettings,
+                 "dspark_heads": DSparkSettings}
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -54,7 +58,8 @@ class DrafterConfig:
     target_layer_ids: list[int] | None = None
     """Target decoder layers whose outputs form the context feature; None: the DFlash default spread."""
     gamma: float | None = None
-    """Loss decay over slots, w_k = exp(-(k-1)/gamma); None: 7 for B=16, 5 for B=10, 4 for B=8."""
+    """Loss decay over slots, w_k = exp(-(k-1)/gamma); None: 7 for B=16, 5 for B=10, 4 for B=8; anchor-first
+    (dspark) w_k = exp(-k/gamma), None: 4."""
     hidden_size: int | None = None
     """Drafter width H; must equal the target's (the head and embedding are the target's)."""
     intermediate_size: int | None = None
@@ -90,14 +95,16 @@ class DrafterConfig:
     variant: Literal[VARIANTS] = DEFAULT_VARIANT  # type: ignore[valid-type]
     """The preset of parts on the DFlash backbone (docs/parts.md): `dflash`; `dflash2`, + block convolutions and a
     candidate selector (docs/method.md 10); `lilicorr`, + a candidate-lattice reranker (section 11);
-    `lilicorr-conv`, + the reranker and the block convolutions. A part's settings below are read only by a variant
-    that has the part."""
+    `lilicorr-conv`, + the reranker and the block convolutions; `dspark`, anchor-first blocks + Markov and confidence
+    heads (section 12). A part's settings below are read only by a variant that has the part."""
     conv: ConvSettings = field(default_factory=ConvSettings)
     """Block convolutions (dflash2, lilicorr-conv)."""
     selector: SelectorSettings = field(default_factory=SelectorSettings)
     """Candidate selector (dflash2)."""
     lilicorr: LiLiCorrSettings = field(default_factory=LiLiCorrSettings)
     """Candidate-lattice reranker (lilicorr, lilicorr-conv)."""
+    dspark_heads: DSparkSettings = field(default_factory=DSparkSettings)
+    """Markov and confidence heads (dspark)."""
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Unpickle a config of any version (a checkpoint's hyper-parameters), the flat fields of old ones moved."""
@@ -168,7 +175,7 @@ class DrafterConfig:
             raise ConfigError(f"num_layers must be >= 1, got {self.num_layers}")
         if self.block_size < 2:
             raise ConfigError(f"block_size must be >= 2 (an anchor and one drafted slot), got {self.block_size}")
-        if self.gamma is None and self.block_size not in DEFAULT_GAMMA:
+        if self.gamma is None and self.block_size not in DEFAULT_GAMMA and not self.preset.sample_from_anchor:
             raise ConfigError(f"gamma: no default for block_size {self.block_size}; set gamma")
         if self.gamma is not None and self.gamma <= 0:
             raise ConfigError(f"gamma must be > 0, got {self.gamma}")
@@ -246,7 +253,9 @@ class DrafterConfig:
     @property
     def loss_gamma(self) -> float:
         """Gamma of the slot weights, with the per-block-size default."""
-        return self.gamma if self.gamma is not None else DEFAULT_GAMMA[self.block_size]
+        if self.gamma is not None:
+            return self.gamma
+        return ANCHOR_FIRST_GAMMA if self.preset.sample_from_anchor else DEFAULT_GAMMA[self.block_size]
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict of every field, a part's settings as a dict (for checkpoints; `from_dict` reads it back)."""

@@ -82,6 +82,9 @@ class _HeadLoss(torch.autograd.Function):
         ce_total = torch.zeros((), dtype=acc, device=hidden.device)
         used = torch.empty(n, dtype=acc, device=hidden.device)  # [N] the weights this step used
         ce_coef = 0.0 if settings.objective == "kl" else 1.0
+        scale = 1.0  # the loop's own term beside the parts' (`Part.objective_weight`)
+        for part in parts:
+            scale *= part.objective_weight()
         tau = settings.temperature
         top = []
         rows = max(1, chunk // block_size) * block_size  # whole blocks: D-PACE needs every slot of a block
@@ -90,6 +93,10 @@ class _HeadLoss(torch.autograd.Function):
             end = min(start + rows, n)
             h, y = hidden[start:end].to(head.dtype), labels[start:end, None]
             raw = F.linear(h, head)  # [rows, V] in the compute dtype
+            for i, part in enumerate(parts):  # a part's term of the logits themselves (DSpark's Markov head)
+                bias = part.logit_bias(tuple(r[start:end] for r in part_rows[i]), raw)
+                if bias is not None:
+                    raw = raw + bias
             # ranked on the compute-dtype logits (bf16 under bf16-mixed): half the bytes of fp32 ones to read
             top_ids = unary_top_k(raw, ranked) if ranked else None
             logits = raw.to(acc)
@@ -123,6 +130,9 @@ class _HeadLoss(torch.autograd.Function):
             if ce_coef:  # softmax - onehot, added in place last: nothing reads probs after it
                 d_logits = probs if d_logits is None else d_logits.add_(probs)
                 d_logits.scatter_add_(1, y, -torch.ones_like(probs[:, :1]))
+            if scale != 1.0:
+                row_loss = row_loss * scale
+                d_logits = d_logits.mul_(scale) if d_logits is not None else None
             total = total + (row_loss * w).sum()
             grad_rows = None
             first = 0

@@ -15,11 +15,12 @@ class DraftMetrics(Metric):
 
     full_state_update = False
 
-    def __init__(self, block_size: int, topk: tuple[int, ...] = (1, 5, 10), **kwargs) -> None:
+    def __init__(self, block_size: int, topk: tuple[int, ...] = (1, 5, 10), first: int = 1, **kwargs) -> None:
+        """`first`: the first slot that drafts (`blocks.first_slot`: 0 in an anchor-first block)."""
         super().__init__(**kwargs)
         if 1 not in topk:
             raise ValueError(f"topk must include 1 (plain accuracy), got {topk}")
-        self.block_size, self.topk = block_size, tuple(sorted(topk))
+        self.block_size, self.topk, self.first = block_size, tuple(sorted(topk)), first
         self.add_state("hits", torch.zeros(len(self.topk), block_size), dist_reduce_fx="sum")  # [k, B]
         self.add_state("slots", torch.zeros(block_size), dist_reduce_fx="sum")  # [B]
         self.add_state("accepted", torch.zeros(()), dist_reduce_fx="sum")
@@ -33,9 +34,10 @@ class DraftMetrics(Metric):
             self.hits[i] += (match[..., :k].any(-1) & supervised).sum(0).float()
         self.slots += supervised.sum(0).float()
         correct = match[..., 0] & supervised
-        # Accepted prefix: consecutive correct slots from slot 1; only blocks with a valid anchor count.
-        valid_block = supervised[:, 1]
-        self.accepted += (correct[:, 1:].int().cumprod(-1).sum(-1) * valid_block).sum().float()
+        # Accepted prefix: consecutive correct slots from the first draft; only blocks with a valid anchor count.
+        first = self.first
+        valid_block = supervised[:, first]
+        self.accepted += (correct[:, first:].int().cumprod(-1).sum(-1) * valid_block).sum().float()
         self.blocks += valid_block.sum().float()
 
     def compute(self) -> dict[str, Tensor]:
@@ -44,9 +46,9 @@ class DraftMetrics(Metric):
         out = {}
         for i, k in enumerate(self.topk):
             name = "acc" if k == 1 else f"top{k}"
-            out[name] = acc[i, 1:].mean()
-            for slot in range(1, self.block_size):
+            out[name] = acc[i, self.first:].mean()
+            for slot in range(self.first, self.block_size):
                 out[f"{name}/slot_{slot:02d}"] = acc[i, slot]
         out["tau"] = 1 + self.accepted / self.blocks.clamp_min(1)
-        out["tau_coarse"] = 1 + acc[0, 1:].cumprod(0).sum()
+        out["tau_coarse"] = 1 + acc[0, self.first:].cumprod(0).sum()
         return out

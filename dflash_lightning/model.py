@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from dflash_lightning.blocks import block_input_ids, block_labels, build_block_mask, teacher_positions
+from dflash_lightning.blocks import block_input_ids, block_labels, build_block_mask, first_slot, teacher_positions
 from dflash_lightning.config import DrafterConfig
 from dflash_lightning.loss import LossSettings, chunked_head_loss, rank_mean_weight
 from dflash_lightning.parts.base import HeadOutput, Part, PartOutput, TrainInputs
@@ -207,7 +207,8 @@ class DraftOutput:
     weights: Tensor
     """Loss weight of every slot this step (D-PACE: from this step's CE).  # [A, B]"""
     supervised: Tensor
-    """Slots that count: a valid anchor, k >= 1, label in the loss mask and the anchor's document.  # [A, B]"""
+    """Slots that count: a valid anchor, k >= 1 (anchor-first: k >= 0, a prefix), label in the loss mask and the
+    anchor's document.  # [A, B]"""
     labels: Tensor
     """Target token of every slot.  # [A, B]"""
     topk: Tensor | None
@@ -337,21 +338,25 @@ class DFlashDrafter(nn.Module):
         (parts/base.py): inside the head loop (`head_chunk`) and after it (`loss`).
         """
         B, settings = self.config.block_size, self.loss_settings
+        anchor_first = self.config.preset.sample_from_anchor  # the block layout: section 3, or 12's anchor-first
+        first = first_slot(anchor_first)
         hidden, context = self._blocks(features, input_ids, position_ids, doc_ids, anchors, anchor_valid)
-        labels, weights = block_labels(input_ids, loss_mask, doc_ids, anchors, anchor_valid, slot_weights)
-        # The token before each slot (slot 1: the anchor's), where the target's state that predicts it sits.
-        before = teacher_positions(anchors, B, input_ids.numel())  # [A, B]
+        labels, weights = block_labels(input_ids, loss_mask, doc_ids, anchors, anchor_valid, slot_weights,
+                                       anchor_first)
+        # The token before each slot's label (slot 1: the anchor), where the target's state that predicts it sits.
+        before = teacher_positions(anchors, B, input_ids.numel(), anchor_first)  # [A, B]
         head, head_t = self.head_fp8 or (self.head_weight, None)
         batch = TrainInputs(hidden, context, input_ids, position_ids, doc_ids, anchors, anchor_valid, labels,
-                            weights > 0, before, final_hidden, self.embed_weight, self.head_weight)
+                            weights > 0, before, final_hidden, self.embed_weight, self.head_weight, first)
         in_loop = [(part, part.head_inputs(batch)) for part in self.parts]
         in_loop = tuple((part, rows) for part, rows in in_loop if rows is not None)
-        # Slot 0 (the anchor, given) has weight 0 under every rule and leaves D-PACE's weights of the others as
-        # they are, so it skips the head: A*(B-1) rows, 1/B fewer head FLOPs, still a fixed shape.
+        # In section 3's block slot 0 (the anchor, given) has weight 0 under every rule and leaves D-PACE's weights
+        # of the others as they are, so it skips the head: A*(B-1) rows, 1/B fewer head FLOPs, still a fixed shape.
+        # Anchor-first every slot predicts: A*B rows.
         total, ce, used, top, from_loop = self.head_loss(
-            hidden[:, 1:].flatten(0, 1), head, labels[:, 1:].flatten(), weights[:, 1:].flatten(),
-            self.head_chunk_size, topk, B - 1, settings, final_hidden,
-            before[:, 1:].flatten() if settings.distills else None, head_t, in_loop,
+            hidden[:, first:].flatten(0, 1), head, labels[:, first:].flatten(), weights[:, first:].flatten(),
+            self.head_chunk_size, topk, B - first, settings, final_hidden,
+            before[:, first:].flatten() if settings.distills else None, head_t, in_loop,
         )
         denominator = rank_mean_weight(used).clamp_min(1e-12)
         loss = total / denominator
@@ -364,9 +369,9 @@ class DFlashDrafter(nn.Module):
                 loss = loss + out.loss
             outputs[part.name] = out
         return DraftOutput(
-            loss=loss, ce=ce / denominator, weights=_with_slot_0(used.view(-1, B - 1), 0.0),
+            loss=loss, ce=ce / denominator, weights=_with_slot_0(used.view(-1, B - first), 0.0, first),
             supervised=weights > 0, labels=labels,
-            topk=None if top is None else _with_slot_0(top.unflatten(0, (-1, B - 1)), -1), parts=outputs,
+            topk=None if top is None else _with_slot_0(top.unflatten(0, (-1, B - first)), -1, first), parts=outputs,
         )
 
     def logits(self, hidden: Tensor) -> Tensor:
@@ -374,9 +379,10 @@ class DFlashDrafter(nn.Module):
         return hidden @ self.head_weight.to(hidden.dtype).T
 
 
-def _with_slot_0(rows: Tensor, fill: float | int | bool) -> Tensor:
-    """Per-slot results of slots 1..B-1 `[A, B-1, ...]` with slot 0 put back as `fill`.  # [A, B, ...]"""
-    return torch.cat([torch.full_like(rows[:, :1], fill), rows], 1)
+def _with_slot_0(rows: Tensor, fill: float | int | bool, first: int = 1) -> Tensor:
+    """Per-slot results of slots first..B-1 `[A, B-first, ...]` with slot 0 put back as `fill` where it skipped
+    the head (`first` 1).  # [A, B, ...]"""
+    return torch.cat([torch.full_like(rows[:, :1], fill), rows], 1) if first else rows
 
 
 __all__ = ["DFlashDrafter", "DraftOutput", "RMSNorm", "apply_rope", "masked_attention"]

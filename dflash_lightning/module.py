@@ -22,7 +22,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 
 from dflash_lightning import lightning_compat as compat
-from dflash_lightning.blocks import anchor_seed, base_slot_weights, select_anchors
+from dflash_lightning.blocks import anchor_seed, base_slot_weights, first_slot, select_anchors
 from dflash_lightning.config import PART_SETTINGS, ConfigError, DrafterConfig, upgrade_record
 from dflash_lightning.fp8 import Recipe, convert_linears, require_fp8
 from dflash_lightning.long_runs import resume
@@ -160,6 +160,10 @@ class DFlashModule(LightningModule):
         if metrics_every < 1:
             raise ConfigError(f"metrics_every must be >= 1, got {metrics_every}")
         self.loss_settings = LossSettings(objective, loss_weights, dpace_alpha, temperature)
+        if cfg.preset.sample_from_anchor and (objective != "ce" or loss_weights != "decay"):
+            # section 12's loss is its own: the heads' L1 to the target's distribution, exp(-k/gamma) slot weights
+            raise ConfigError(f"model.drafter.variant '{cfg.variant}' trains with section 12's loss: set "
+                              f"model.objective=ce (not {objective}) and model.loss_weights=decay (not {loss_weights})")
         if init_from and not Path(init_from).exists():  # before any target or GPU work
             raise ConfigError(f"model.init_from: no drafter checkpoint or folder at '{init_from}'")
         if head_chunk_size < 1:
@@ -172,8 +176,9 @@ class DFlashModule(LightningModule):
             raise ConfigError(f"nonfinite must be skip or stop, got {nonfinite!r}")
         if max_nonfinite_in_a_row < 1:
             raise ConfigError(f"max_nonfinite_in_a_row must be >= 1, got {max_nonfinite_in_a_row}")
-        self.train_metrics = DraftMetrics(cfg.block_size, topk)
-        self.val_metrics = DraftMetrics(cfg.block_size, topk)
+        first = first_slot(cfg.preset.sample_from_anchor)
+        self.train_metrics = DraftMetrics(cfg.block_size, topk, first)
+        self.val_metrics = DraftMetrics(cfg.block_size, topk, first)
         # each part's own metrics (parts/base.py `Part.metric`), by the part's name
         self.train_part_metrics, self.val_part_metrics = (nn.ModuleDict(
             {p.name: m for p in cfg.preset.parts if (m := p.metric(cfg.block_size)) is not None}) for _ in range(2))
@@ -210,7 +215,7 @@ class DFlashModule(LightningModule):
         self.drafter.set_target_io(embed.to(dtype or embed.dtype), head.to(dtype or head.dtype))
         self.buffers_ = StepBuffers(
             hp.token_budget, cfg.num_context_layers * cfg.hidden_size,
-            base_slot_weights(cfg.block_size, hp.loss_weights, cfg.loss_gamma),
+            base_slot_weights(cfg.block_size, hp.loss_weights, cfg.loss_gamma, cfg.preset.sample_from_anchor),
             cfg.hidden_size if self.needs_final_hidden else 0, dtype,
         )
         if hp.compile:

@@ -15,11 +15,13 @@ from dflash_lightning.decoding.speculative import DraftContext, SpeculativeDecod
 from dflash_lightning.hf.modeling_dflash import sampling_probs, verify_drafts
 from dflash_lightning.model import DFlashDrafter
 from dflash_lightning.parts.convolutions import ConvSettings
+from dflash_lightning.parts.dspark import DSparkSettings
 from dflash_lightning.parts.lilicorr import LiLiCorrSettings
 from dflash_lightning.parts.selector import SelectorSettings
 from dflash_lightning.target_model import load_target_io
 
 EOS = 2  # <|im_end|> of the test tokenizer
+DSPARK = {"variant": "dspark", "dspark_heads": DSparkSettings(markov_rank=4)}  # anchor-first: B drafts a block
 
 
 
@@ -53,8 +55,8 @@ def test_accept_rule_on_hand_made_blocks():
 
 
 @pytest.mark.parametrize("variant", [{}, {"variant": "dflash2", "conv": ConvSettings(group_size=8),
-                                          "selector": SelectorSettings(rank=4)}],
-                         ids=["dflash", "dflash2"])  # DFLASH2, defined below
+                                          "selector": SelectorSettings(rank=4)}, DSPARK],
+                         ids=["dflash", "dflash2", "dspark"])  # DFLASH2, defined below
 @pytest.mark.parametrize("block_size", [2, 4, 8, 16])
 def test_random_drafter_is_lossless(target, block_size, variant):
     decoder = SpeculativeDecoder(target, random_drafter(target, block_size, seed=block_size, **variant))
@@ -64,7 +66,7 @@ def test_random_drafter_is_lossless(target, block_size, variant):
         assert spec.tokens == base.tokens, f"prompt {i}"
         # every step emits its accepted drafts and one bonus token; the prefill emits one token
         assert 1 + sum(a + 1 for a in spec.accepted_lengths) >= len(spec.tokens) > sum(spec.accepted_lengths)
-        assert all(0 <= a < block_size for a in spec.accepted_lengths)
+        assert all(0 <= a <= decoder.drafts for a in spec.accepted_lengths)  # drafts: B - 1, anchor-first B
         assert spec.steps == len(spec.accepted_lengths)
         assert spec.expected_accepted == [float(a) for a in spec.accepted_lengths]  # greedy: P_k(d_k) is 0 or 1
 
@@ -169,7 +171,7 @@ class RecordingDecoder(OracleDecoder):
     def draft(self, context, x, start, *sampling):
         block = torch.full((self.block_size,), self.mask_token_id, dtype=torch.long)
         block[0] = x
-        self.steps.append((start, int(x), self.drafter.logits(context.block_hidden(block, start)[1:])))
+        self.steps.append((start, int(x), self.drafter.logits(context.block_hidden(block, start)[self.first:])))
         if self.own:
             return SpeculativeDecoder.draft(self, context, x, start, *sampling)
         return super().draft(context, x, start, *sampling)
@@ -187,7 +189,7 @@ def assert_drafts_are_the_training_forwards(decoder: RecordingDecoder, prompt: t
     hidden = decoder.drafter.block_hidden(features, ids, torch.arange(ids.numel()), torch.zeros_like(ids),
                                           starts, torch.ones_like(starts, dtype=torch.bool))  # [steps, B, H]
     torch.testing.assert_close(torch.stack([logits for _, _, logits in decoder.steps]),
-                               decoder.drafter.logits(hidden[:, 1:]), rtol=1e-4, atol=1e-4)
+                               decoder.drafter.logits(hidden[:, decoder.first:]), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("attention", [{}, SLIDING, {**SLIDING, "is_causal": False}, {**SLIDING, **DFLASH2}],
@@ -316,7 +318,7 @@ class TableDecoder(SpeculativeDecoder):
         return torch.tensor(self.table[int(x)], device=x.device), None
 
 
-@pytest.mark.parametrize("drafting", ["table", "sliding", "dflash2", "lilicorr"])
+@pytest.mark.parametrize("drafting", ["table", "sliding", "dflash2", "lilicorr", "dspark"])
 def test_speculative_sampling_is_lossless(drafting):
     """The decoder's sequences at temperature 1 follow the target's exact sequence distribution (chi-square over
     all V^L sequences, rare ones pooled); sampling the residual from P instead of P without d_k fails it
@@ -325,8 +327,10 @@ def test_speculative_sampling_is_lossless(drafting):
     `dflash2`: a DFlash2 drafter's selector samples its drafts from q = softmax(score / T) over K candidates and
     verification accepts with min(1, P/q) (section 10; a residual of P without d_k instead of max(0, P - q) fails it,
     checked once); `lilicorr`: a LiLiCorr+conv drafter's walk samples each slot from q = softmax(row / T) over its K
-    candidates, row the sampled predecessor's pair row (section 11; the same broken residual fails it, checked once).
-    Sampling is lossless whatever the drafts, so the drafters' own drafts are also held to the training forward's."""
+    candidates, row the sampled predecessor's pair row (section 11; the same broken residual fails it, checked once);
+    `dspark`: a DSpark drafter samples its B drafts from softmax(z / T), the Markov head fed each sampled token
+    (section 12), verified as DFlash2's are. Sampling is lossless whatever the drafts, so the drafters' own drafts
+    are also held to the training forward's."""
     V, L, B, samples = 5, 5, 4, 400
     config = Qwen3Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                          num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=64,
@@ -350,7 +354,8 @@ def test_speculative_sampling_is_lossless(drafting):
     variant = {"dflash2": {**DFLASH2, "selector": SelectorSettings(rank=4, top_k=3)},
                "lilicorr": {"variant": "lilicorr-conv", "conv": ConvSettings(group_size=8),
                             "lilicorr": LiLiCorrSettings(candidate_topk=4, hidden_size=16, factor_dim=8, num_layers=1,
-                                                         num_heads=2)}}.get(drafting, {})
+                                                         num_heads=2)},
+               "dspark": DSPARK}.get(drafting, {})
     drafter = DFlashDrafter(DrafterConfig(num_layers=2 if window else 1, block_size=B, mask_token_id=V - 1,
                                           gamma=4.0, **window, **variant).resolved(config))
     if variant:  # parts away from their initialisation, and q spread over the candidates

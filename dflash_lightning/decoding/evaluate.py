@@ -7,6 +7,7 @@ report.json and report.png.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from collections.abc import Sequence
@@ -97,7 +98,7 @@ def evaluate(
             records.append({
                 "category": row.get("category"), "prompt_tokens": int(ids.numel()), "new_tokens": len(spec.tokens),
                 "steps": spec.steps, "accepted_lengths": spec.accepted_lengths, "step_tokens": spec.step_tokens,
-                "expected_accepted": spec.expected_accepted,
+                "expected_accepted": spec.expected_accepted, "confidences": spec.confidences,
                 # sampled outputs differ from the target's own samples by design; only greedy ones must be equal
                 "first_mismatch": first_mismatch(spec.tokens, base.tokens) if temperature == 0 else None,
                 "speculative_seconds": spec.seconds, "target_seconds": base.seconds,
@@ -105,8 +106,8 @@ def evaluate(
             tau = pooled_tau(records)
             bar.update(task, advance=1, description=f"{label}, tau {tau or 0:.2f}")
     drafter.train(modes[0]), target_model.train(modes[1])
-    return {**summarize(records, drafter.config.block_size, max_new_tokens, greedy=temperature == 0),
-            **sampling, "seed": seed}
+    return {**summarize(records, drafter.config.block_size, max_new_tokens, greedy=temperature == 0,
+                        drafts=decoder.drafts), **sampling, "seed": seed}
 
 
 def prompt_seed(seed: int, index: int) -> int:
@@ -127,8 +128,8 @@ def pooled_tau(records: list[dict[str, Any]]) -> float | None:
     return sum(sum(r["step_tokens"]) for r in records) / steps if steps else None
 
 
-def summarize(records: list[dict[str, Any]], block_size: int, max_new_tokens: int, greedy: bool = True
-              ) -> dict[str, Any]:
+def summarize(records: list[dict[str, Any]], block_size: int, max_new_tokens: int, greedy: bool = True,
+              drafts: int | None = None) -> dict[str, Any]:
     """tau, acceptance histogram, per-slot acceptance, per-category tau, speedup and mismatches of per-prompt runs.
 
     tau counts per docs/method.md section 6 (`step_tokens`: a + 1 per step, the last step only up to the stop token or
@@ -140,10 +141,13 @@ def summarize(records: list[dict[str, Any]], block_size: int, max_new_tokens: in
     `min(1, P_i(d_i) / q_i(d_i))` for DFlash2's sampled ones (section 10): a itself when greedy, the sampled
     count's expectation, without its noise, when sampling; it counts the last step whole (its tokens past a stop
     cannot be told apart in expectation), so it can exceed `tau_pooled` by that step's share. Mismatches with the
-    target alone are counted for greedy runs only (None when sampled).
+    target alone are counted for greedy runs only (None when sampled). `drafts`: drafts a block (None: B - 1; an
+    anchor-first block drafts B). Where the drafter has a confidence head, `adaptive_verification` says what an
+    engine's adaptive verification would make of its confidences.
     """
+    drafts = block_size - 1 if drafts is None else drafts
     accepted = [a for r in records for a in r["accepted_lengths"]]
-    histogram = [accepted.count(a) for a in range(block_size)]
+    histogram = [accepted.count(a) for a in range(drafts + 1)]
     steps = len(accepted)
     spec_s = sum(r["speculative_seconds"] for r in records)
     target_s = sum(r["target_seconds"] for r in records)
@@ -170,13 +174,67 @@ def summarize(records: list[dict[str, Any]], block_size: int, max_new_tokens: in
         "steps": steps,
         "new_tokens": sum(r["new_tokens"] for r in records),
         "acceptance_histogram": histogram,
-        "slot_acceptance": [sum(a >= k for a in accepted) / steps if steps else None for k in range(1, block_size)],
+        "slot_acceptance": [sum(a >= k for a in accepted) / steps if steps else None for k in range(1, drafts + 1)],
         "speculative_seconds": spec_s,
         "target_seconds": target_s,
         "speedup": target_s / spec_s if spec_s > 0 else None,
         "per_category": {c: taus([r for r in records if r["category"] == c]) for c in categories},
+        **({"adaptive_verification": adaptive_verification(records)} if any(
+            r.get("confidences") for r in records) else {}),
         "prompts": records,
     }
+
+
+ADAPTIVE_THRESHOLDS = (0.3, 0.5, 0.7, 0.9)
+"""Survival thresholds of the adaptive-verification report: a draft is verified while a_k = prod c_i is above."""
+CALIBRATION_BINS = 10
+"""Equal-width confidence bins of the served ECE."""
+
+
+def adaptive_verification(records: list[dict[str, Any]], thresholds: Sequence[float] = ADAPTIVE_THRESHOLDS
+                          ) -> dict[str, Any]:
+    """What verifying only the drafts a confidence head admits would do (docs/method.md 12), from the served steps.
+
+    For each step with confidences c_k and a accepted drafts: at threshold t the engine verifies the prefix whose
+    survival a_k = prod_{i<=k} c_i >= t (n_t drafts) and accepts min(a, n_t) of them. Per threshold: drafts
+    verified and accepted per step, the tau it implies (1 + accepted per step) and the share of verified drafts
+    accepted, beside verifying all. Calibration on the served blocks: draft k is reached when the k drafts before it
+    were accepted; c_k against its acceptance there (ECE per slot and pooled, Brier), and a_k against the
+    acceptance of the whole prefix to k at every step (Brier, bias = mean a_k - acceptance rate): what the engines'
+    per-slot temperature scaling (SGLang's --speculative-dspark-confidence-sts-path) would correct.
+    """
+    steps = [(a, c) for r in records for a, c in zip(r["accepted_lengths"], r["confidences"], strict=True)]
+    n = len(steps)
+    survival = [list(itertools.accumulate(c, lambda x, y: x * y)) for _, c in steps]
+    out: dict[str, Any] = {"steps": n, "all": {
+        "verified_per_step": sum(len(c) for _, c in steps) / n, "accepted_per_step": sum(a for a, _ in steps) / n}}
+    for t in thresholds:
+        admitted = [sum(1 for s in surv if s >= t) for surv in survival]  # survival only falls: a prefix
+        verified, kept = sum(admitted), sum(min(a, m) for (a, _), m in zip(steps, admitted, strict=True))
+        out[f"threshold_{t:g}"] = {"verified_per_step": verified / n, "accepted_per_step": kept / n,
+                                   "tau": 1 + kept / n, "accepted_share": kept / verified if verified else None}
+    width = max(len(c) for _, c in steps)
+    reached = [[(c[k], float(a > k)) for a, c in steps if k <= a and k < len(c)] for k in range(width)]
+    ece = [_ece(pairs) for pairs in reached]
+    pooled = [p for pairs in reached for p in pairs]
+    prefix = [(surv[k], float(a > k)) for (a, _), surv in zip(steps, survival, strict=True) for k in range(len(surv))]
+    out["calibration"] = {
+        "ece": _ece(pooled), "ece_per_slot": ece, "reached_per_slot": [len(p) for p in reached],
+        "brier": sum((c - y) ** 2 for c, y in pooled) / len(pooled),
+        "survival_brier": sum((s - y) ** 2 for s, y in prefix) / len(prefix),
+        "survival_bias": sum(s - y for s, y in prefix) / len(prefix),
+    }
+    return out
+
+
+def _ece(pairs: list[tuple[float, float]]) -> float | None:
+    """Expected calibration error of (confidence, outcome) pairs in equal-width bins; None without pairs."""
+    if not pairs:
+        return None
+    bins: dict[int, list[tuple[float, float]]] = {}
+    for c, y in pairs:
+        bins.setdefault(min(int(c * CALIBRATION_BINS), CALIBRATION_BINS - 1), []).append((c, y))
+    return sum(abs(sum(c for c, _ in b) - sum(y for _, y in b)) for b in bins.values()) / len(pairs)
 
 
 def plot_report(runs: list[dict[str, Any]], path: str | Path) -> None:

@@ -53,7 +53,8 @@ class TrainInputs:
     labels: Tensor
     """Target token of every slot.  # [A, B]"""
     supervised: Tensor
-    """Slots that count (a valid anchor, slot >= 1, label in the loss mask and the anchor's document).  # [A, B]"""
+    """Slots that count (a valid anchor, slot >= 1 or anchor-first a prefix from slot 0, label in the loss mask and
+    the anchor's document).  # [A, B]"""
     before: Tensor
     """Index in the batch of the token before each slot (slot 1: the anchor), where the target's state that
     predicts the slot sits: `final_hidden[before]` is the teacher row of the slot.  # [A, B]"""
@@ -63,11 +64,14 @@ class TrainInputs:
     """The target's input embedding, frozen.  # [V, H]"""
     head_weight: Tensor
     """The target's output head, frozen (full precision even when the loss's head runs in FP8).  # [V, H]"""
+    first_slot: int = 1
+    """The first slot that predicts a token (`blocks.first_slot`): 1, or 0 in an anchor-first block (section 12);
+    the head loop's rows are slots `first_slot..B-1` of every block."""
 
 
 @dataclass
 class HeadChunk:
-    """One chunk of rows inside the chunked head loop (loss.py): rows are slots 1..B-1 of whole blocks."""
+    """One chunk of rows inside the chunked head loop (loss.py): rows are slots first_slot..B-1 of whole blocks."""
 
     start: int
     """First row of the chunk; rows `start:end` of every per-row tensor of the step."""
@@ -120,7 +124,7 @@ class HeadOutput:
     logged: Tensor | None
     """The sum of `ChunkResult.logged` over chunks, divided by the (rank-mean) weight sum."""
     rows: tuple[Tensor, ...]
-    """`ChunkResult.rows` of every row, in order.  # [A * (B-1), ...] each"""
+    """`ChunkResult.rows` of every row, in order.  # [A * (B - first_slot), ...] each"""
 
 
 @dataclass
@@ -140,9 +144,9 @@ class DraftInputs:
     """What a part's drafting rule sees of one block being drafted (serving, evaluate, spec_eval)."""
 
     hidden: Tensor
-    """The backbone's output after `norm` for slots 1..B-1.  # [B-1, H]"""
+    """The backbone's output after `norm` for the drafting slots, 1..B-1 (anchor-first 0..B-1).  # [n, H]"""
     logits: Tensor
-    """Their unary logits through the target's head.  # [B-1, V]"""
+    """Their unary logits through the target's head.  # [n, V]"""
     first_prev: Tensor
     """The block's slot-0 token (the last committed token x).  # 0-dim"""
     context_last: Tensor | None
@@ -183,6 +187,9 @@ class Part(nn.Module):
     """How many per-row tensors `head_chunk` returns in `ChunkResult.rows`."""
     top_k: int = 0
     """Unary candidates per row the part reads from the head loop (`HeadChunk.top_ids`); 0: none."""
+    last_confidence: Tensor | None = None
+    """A confidence head's c_k of each draft of the block `draft` last drafted (DSpark, docs/method.md 12): what an
+    engine's adaptive verification ranks by; None: the part has none."""
 
     def __init__(self, config: Any) -> None:
         """`config` is the resolved DrafterConfig; the part's settings are `getattr(config, self.name)`."""
@@ -222,9 +229,20 @@ class Part(nn.Module):
         return ()
 
     def head_inputs(self, batch: TrainInputs) -> tuple[Tensor, ...] | None:
-        """Per-row inputs of `head_chunk` (rows: slots 1..B-1 of each block, flattened), or None: the part has no
-        `head_chunk`."""
+        """Per-row inputs of `head_chunk` (rows: slots first_slot..B-1 of each block, flattened), or None: the part
+        has no `head_chunk`."""
         return None
+
+    def logit_bias(self, rows: tuple[Tensor, ...], like: Tensor) -> Tensor | None:
+        """A term added to the rows' head logits `like [R, V]` before the loop's objective, top-k and `head_chunk`
+        (DSpark's Markov head: the slot's logits are head(h) + its term), from the part's `rows` (its head inputs
+        sliced to the chunk), in `like`'s dtype; None: none.  # [R, V]"""
+        return None
+
+    def objective_weight(self) -> float:
+        """The scale of the head loop's own objective (section 4's CE or 4c's KL) beside the part's terms (DSpark:
+        0.1 on the CE); 1 by default."""
+        return 1.0
 
     def head_chunk(self, chunk: HeadChunk) -> ChunkResult:
         """The part's work on one chunk of rows while their full logits exist (see `HeadChunk`)."""
@@ -242,7 +260,7 @@ class Part(nn.Module):
 
     # --- decoding
     def draft(self, inputs: DraftInputs) -> tuple[Tensor, Tensor | None]:
-        """Draft tokens of slots 1..B-1 `[B-1]` and, when sampled, their draft distributions q `[B-1, V]` (None:
+        """Draft tokens of the drafting slots `[n]` and, when sampled, their draft distributions q `[n, V]` (None:
         point masses), verified with q (docs/method.md 6b and 10). Only for parts with `decodes = True`."""
         raise NotImplementedError
 

@@ -1,7 +1,7 @@
 """The drafter variants: each a named preset of parts on the DFlash backbone. The only place a variant is named.
 
 `model.drafter.variant` picks a row; the code elsewhere asks the preset for its parts, its `architectures` name
-(what vLLM and SGLang dispatch their loader on) and its serve commands, never for its name.
+(what vLLM and SGLang dispatch their loader on), its block layout and its serve commands, never for its name.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from typing import Any
 from dflash_lightning.errors import ConfigError
 from dflash_lightning.parts.base import Part
 from dflash_lightning.parts.convolutions import BlockConvolutions
+from dflash_lightning.parts.dspark import DSparkHeads
 from dflash_lightning.parts.lilicorr import LiLiCorrReranker
 from dflash_lightning.parts.selector import CandidateSelector
 
@@ -24,6 +25,9 @@ class Preset:
     """Its parts, in the order they are built, trained, logged and exported."""
     architecture: str
     """config.json's `architectures` entry of its folder."""
+    sample_from_anchor: bool = False
+    """Block layout (`blocks.first_slot`): false, slot k predicts position p + k (docs/method.md 3); true, every slot
+    k = 0..B-1 predicts p + k + 1 (section 12's anchor-first block: B drafts a block)."""
     vllm_method: str = "dflash"
     """`--speculative-config` method that serves it in vLLM."""
     sglang_algorithm: str = "DFLASH"
@@ -40,6 +44,9 @@ PRESETS: dict[str, Preset] = {
                        summary="+ a candidate-lattice reranker that walks each slot's top K (section 11)"),
     "lilicorr-conv": Preset((BlockConvolutions, LiLiCorrReranker), "LiLiCorrDraftModel",
                             summary="+ the lattice reranker and the block convolutions (section 11)"),
+    "dspark": Preset((DSparkHeads,), "Qwen3DSparkModel", sample_from_anchor=True, vllm_method="dspark",
+                     sglang_algorithm="DSPARK",
+                     summary="anchor-first blocks + Markov and confidence heads (section 12)"),
 }
 """Variant name -> preset. A new variant is a new row; a new kind of part is a new module in parts/."""
 DEFAULT_VARIANT = "dflash"
@@ -72,7 +79,7 @@ def variant_of_folder(architectures: Any, dflash: dict[str, Any], source: str) -
             if missing:
                 raise ConfigError(f"{source}: a {name} lacks {', '.join(missing)}")
             return variant
-    extra = [f"dflash_config.{k}" for part in present for k in part.present_fields(dflash)]
+    extra = [f"dflash_config.{k}" for part in ALL_PARTS if part in present for k in part.present_fields(dflash)]
     allowed = " or ".join(sorted({", ".join(part.name for part in p.parts) or "none" for p in candidates.values()}))
     raise ConfigError(f"{source}: a {name} has field(s) {', '.join(extra)} of parts it does not have (its parts: "
                       f"{allowed}); set architectures to the variant that has them, or remove them")
