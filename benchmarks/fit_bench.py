@@ -181,15 +181,16 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def prepare(work: Path, docs: int) -> tuple[Path, Path]:
-    """The random target folder (with its tokenizer) and the conversations file, made once per folder."""
+def prepare(work: Path, docs: int, layers: int = 34) -> tuple[Path, Path]:
+    """The random target folder (with its tokenizer; the weights of its first `layers` layers) and the conversations
+    file, made once per folder."""
     sys.path.insert(0, str(ROOT))
     from benchmarks.data_bench import make_tokenizer, write_conversations
     from benchmarks.scaling_bench import make_target
 
-    target, data = work / "target", work / "train.jsonl"
+    target, data = work / ("target" if layers == 34 else f"target-{layers}"), work / "train.jsonl"
     if not (target / "config.json").exists():
-        make_target(target)
+        make_target(target, layers)
     rng = random.Random(0)
     letters = "abcdefghijklmnopqrstuvwxyz"
     words = ["".join(rng.choices(letters, k=rng.randint(2, 9))) for _ in range(6000)]
@@ -240,12 +241,17 @@ def main() -> None:
                         help="delete the run's checkpoints once their sizes are recorded (12.6 GB each at the recipe)")
     parser.add_argument("--docs", type=int, default=3000, help="synthetic conversations")
     parser.add_argument("--target", type=Path, default=None, help="an existing target folder instead of a random one")
+    parser.add_argument("--target-layers", type=int, default=34,
+                        help="layers with weights in the random target: 34 feeds ids up to 33; 36, the whole target, "
+                             "for a run that reads its final hidden state (distillation, LiLiCorr, DSpark)")
     parser.add_argument("--data", type=Path, default=None, help="its conversations (with --target)")
     parser.add_argument("fit_args", nargs="*", help="after --: more `fit` arguments")
     args = parser.parse_args()
     work = args.work.resolve()
     work.mkdir(parents=True, exist_ok=True)
-    target, data = (args.target.resolve(), args.data.resolve()) if args.target else prepare(work, args.docs)
+    target, data = (
+        (args.target.resolve(), args.data.resolve()) if args.target else prepare(work, args.docs, args.target_layers)
+    )
     run = work / f"run-{Path(args.config).stem}-{int(time.time())}"
     run.mkdir()
     timer_out = run / "timer.json"

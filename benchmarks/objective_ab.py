@@ -39,6 +39,9 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 # each recipe: config keys, dotted as on the command line, over configs/tiny.yaml
+DPACE = {"model.objective": "ce", "model.loss_weights": "dpace"}
+TINY_LATTICE = {"model.drafter.lilicorr.hidden_size": 0, "model.drafter.lilicorr.factor_dim": 128}
+B7 = {"model.drafter.block_size": 7, "model.drafter.gamma": 4.0}
 RECIPES = {
     "decay-ce": {"model.objective": "ce", "model.loss_weights": "decay"},
     "dpace-ce": {"model.objective": "ce", "model.loss_weights": "dpace"},
@@ -47,6 +50,13 @@ RECIPES = {
     "dflash2-dpace-ce": {"model.objective": "ce", "model.loss_weights": "dpace", "model.drafter.variant": "dflash2"},
     # DSpark (docs/dspark.md): its own loss (decay weights exp(-k/4), reads the target's final hidden states)
     "dspark": {"model.objective": "ce", "model.loss_weights": "decay", "model.drafter.variant": "dspark"},
+    # LiLiCorr (docs/lilicorr.md) with the lattice at the tiny drafter's width (the recipe's 1024 is 8x the drafter)
+    "lilicorr-dpace-ce": {**DPACE, "model.drafter.variant": "lilicorr", **TINY_LATTICE},
+    "lilicorr-conv-dpace-ce": {**DPACE, "model.drafter.variant": "lilicorr-conv", **TINY_LATTICE},
+    # block 7 (DSpark's paper): gamma set, as block 7 has no default (D-PACE does not read it)
+    "dflash2-b7": {**DPACE, "model.drafter.variant": "dflash2", **B7},
+    "lilicorr-conv-b7": {**DPACE, "model.drafter.variant": "lilicorr-conv", **TINY_LATTICE, **B7},
+    "dspark-b7": {"model.objective": "ce", "model.loss_weights": "decay", "model.drafter.variant": "dspark", **B7},
     # the features a drafter trains on from a bf16 or an FP8 target (Hopper GPUs), served by the same fp32 target
     "target-bf16": {"target.dtype": "bfloat16"},
     "target-fp8": {"target.dtype": "bfloat16", "target.fp8": True},

@@ -146,7 +146,7 @@ class RandomFeatures(Callback):
         cfg, T = pl_module.drafter_config, pl_module.hparams.token_budget
         self.features = torch.randn(T, cfg.num_context_layers * cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
         self.final = torch.randn(T, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
-        self.distills = pl_module.loss_settings.distills
+        self.distills = pl_module.needs_final_hidden  # distillation, or a part that reads the target's logits
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         batch["context_features"] = self.features
