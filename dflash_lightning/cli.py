@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import sys
 
+from jsonargparse import set_parsing_settings
+
 from dflash_lightning.commands import cache, evaluate, export, fit, regenerate
 from dflash_lightning.commands.fit import DFlashCLI
 
@@ -16,6 +18,8 @@ TOOLS = {"cache": cache, "export": export, "evaluate": evaluate, "regenerate": r
 
 def cli_main(args: list[str] | None = None, run: bool = True) -> DFlashCLI | None:
     """Entry point of `python -m dflash_lightning`; `run=False` only parses and instantiates fit/validate."""
+    # --help shows each dataclass field's docstring (the drafter's fields, each part's settings)
+    set_parsing_settings(docstring_parse_attribute_docstrings=True)
     argv = sys.argv[1:] if args is None else args
     if argv and argv[0] in TOOLS:
         TOOLS[argv[0]].main(argv[1:])

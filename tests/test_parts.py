@@ -106,3 +106,15 @@ def test_fp8_training_leaves_the_linears_a_part_reads_by_hand():
     assert type(drafter.candidate_selector.hidden_projection) is torch.nn.Linear
     assert type(drafter.layers[0].self_attn.q_proj) is not torch.nn.Linear
     assert type(drafter.layers[0].mlp_conv.kernel_projection) is not torch.nn.Linear
+
+
+def test_help_groups_each_parts_settings_with_their_docstrings(capsys):
+    from dflash_lightning.cli import cli_main
+
+    with pytest.raises(SystemExit):
+        cli_main(["fit", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "Block convolutions (dflash2, lilicorr-conv): --model.drafter.conv CONFIG" in text
+    assert "--model.drafter.conv.kernel_size KERNEL_SIZE Taps k of each convolution" in text
+    assert "--model.drafter.selector.loss_weight LOSS_WEIGHT Weight alpha of the selector's K-way CE" in text
+    assert "--model.drafter.lilicorr.candidate_topk CANDIDATE_TOPK K: candidates per slot" in text
