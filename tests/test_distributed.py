@@ -88,11 +88,22 @@ def test_sharded_target_gives_each_rank_the_features_of_its_own_batch(tiny_targe
     assert out[0][1] + out[1][1] == total
 
 
-@pytest.mark.parametrize("placement", ["separate", "sharded"])
-def test_two_process_ddp_fit_through_the_cli(tmp_path, placement):
+# variants beside the tiny default's DFlash2: parts that read the target's final hidden state in both placements
+VARIANT_ARGS = {
+    "dflash2": [],
+    "lilicorr-conv": ["--model.drafter.variant=lilicorr-conv", "--model.drafter.lilicorr.hidden_size=0",
+                      "--model.drafter.lilicorr.factor_dim=128"],
+    "dspark": ["--model.drafter.variant=dspark", "--model.loss_weights=decay"],
+}
+
+
+@pytest.mark.parametrize(("placement", "variant"), [("separate", "dflash2"), ("sharded", "dflash2"),
+                                                    ("separate", "lilicorr-conv"), ("sharded", "dspark")])
+def test_two_process_ddp_fit_through_the_cli(tmp_path, placement, variant):
     """`--trainer.strategy=ddp --trainer.devices=2` on the CPU (gloo) runs the tiny config to the end.
 
     `separate`: each rank takes one of the two listed target devices; `sharded`: one target split over both.
+    LiLiCorr and DSpark read the target's final hidden state, which both placements must then produce.
     """
     import subprocess
     import sys
@@ -103,7 +114,8 @@ def test_two_process_ddp_fit_through_the_cli(tmp_path, placement):
            "--trainer.strategy=ddp", "--trainer.devices=2", "--trainer.max_steps=3", "--model.metrics_every=1",
            "--trainer.log_every_n_steps=1", f"--target.placement={placement}", "--target.target_devices=[cpu,cpu]",
            f"--trainer.default_root_dir={tmp_path}", "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
-           f"--trainer.logger.save_dir={tmp_path}", "--trainer.callbacks=[]", "--spec_eval.every_n_steps=0"]
+           f"--trainer.logger.save_dir={tmp_path}", "--trainer.callbacks=[]", "--spec_eval.every_n_steps=0",
+           *VARIANT_ARGS[variant]]
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -111,5 +123,5 @@ def test_two_process_ddp_fit_through_the_cli(tmp_path, placement):
     header = metrics[0].split(",")
     losses = [float(row.split(",")[header.index("train/loss")]) for row in metrics[1:]
               if row.split(",")[header.index("train/loss")]]
-    # the tiny config's DFlash2 loss: unary CE plus the selector's CE, each under 20 from the first step
+    # each variant's loss (DFlash2: unary CE plus the selector's CE, each under 20 from the first step) is finite
     assert len(losses) == 3 and all(0 < loss < 40 for loss in losses)
