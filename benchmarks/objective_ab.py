@@ -126,8 +126,12 @@ def one_run(name: str, seed: int, work: Path, base: dict, config_name: str, thre
     return record
 
 
+PART_METRICS = ("train/selector", "train/lilicorr", "train/dspark")  # the parts' own metrics (docs/parts.md)
+
+
 def _last_selector_metrics(run_dir: Path) -> dict:
-    """The last logged train/selector/* and train/tau values of a run's CSV log (empty for DFlash)."""
+    """The last logged values of the parts' metrics (DFlash2's selector, LiLiCorr's lattice, DSpark's heads) and of
+    train/tau, val/tau and val/loss in a run's CSV log."""
     import csv
 
     out: dict = {}
@@ -135,7 +139,7 @@ def _last_selector_metrics(run_dir: Path) -> dict:
         with open(path) as f:
             for row in csv.DictReader(f):
                 for key, value in row.items():
-                    if value and (key.startswith("train/selector") or key in ("train/tau", "val/tau", "val/loss")):
+                    if value and (key.startswith(PART_METRICS) or key in ("train/tau", "val/tau", "val/loss")):
                         out[key] = float(value)
     return out
 

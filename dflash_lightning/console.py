@@ -60,7 +60,8 @@ class RunModelSummary(RichModelSummary):
 
     @staticmethod
     def summarize(summary_data: list[tuple[str, list[str]]], total_parameters: int, trainable_parameters: int,
-                  model_size: float, total_training_modes: dict[str, int], total_flops: int, **kwargs: Any) -> None:
+                  model_size: float, total_training_modes: dict[str, int], total_flops: int = 0, **kwargs: Any) -> None:
+        # total_flops: Lightning 2.6 passes it; 2.5 counts no FLOPs and has no such argument
         if total_flops:
             RichModelSummary.summarize(summary_data, total_parameters, trainable_parameters, model_size,
                                        total_training_modes, total_flops, **kwargs)
