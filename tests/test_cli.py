@@ -38,9 +38,8 @@ def small_config(root: Path, train_rows: int, val_rows: int = 0) -> dict:
     return config
 
 
-@pytest.fixture(scope="module")
-def run_config(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("cli")
+def four_step_config(root: Path) -> dict:
+    """The small config for a 4-step fit (validation every 2) whose logs and checkpoints go under `root/runs`."""
     config = small_config(root, 40, 8)
     config["trainer"].update(default_root_dir=str(root / "runs"), max_steps=4, val_check_interval=2,
                              limit_val_batches=2, log_every_n_steps=1)
@@ -49,6 +48,13 @@ def run_config(tmp_path_factory) -> Path:
     for callback in config["trainer"]["callbacks"]:
         if callback["class_path"].endswith("ModelCheckpoint"):
             callback["init_args"]["dirpath"] = str(root / "runs" / "checkpoints")
+    return config
+
+
+@pytest.fixture(scope="module")
+def run_config(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("cli")
+    config = four_step_config(root)
     config.setdefault("spec_eval", {})["prompts"] = None
     path = root / "config.yaml"
     path.write_text(yaml.safe_dump(config))

@@ -139,19 +139,12 @@ def test_drafter_of_the_preset_has_the_parts_weights(target):  # noqa: F811
 def lilicorr_run(tmp_path_factory):
     """A 4-step LiLiCorr+conv fit through the CLI on the small config (online target, final hidden states linked)."""
     import yaml
-    from test_cli import small_config
+    from test_cli import four_step_config
 
     from dflash_lightning.cli import cli_main
 
     root = tmp_path_factory.mktemp("lilicorr")
-    config = small_config(root, 40, 8)
-    config["trainer"].update(default_root_dir=str(root / "runs"), max_steps=4, val_check_interval=2,
-                             limit_val_batches=2, log_every_n_steps=1)
-    for logger in config["trainer"]["logger"]:
-        logger["init_args"]["save_dir"] = str(root / "runs")
-    for callback in config["trainer"]["callbacks"]:
-        if callback["class_path"].endswith("ModelCheckpoint"):
-            callback["init_args"]["dirpath"] = str(root / "runs" / "checkpoints")
+    config = four_step_config(root)
     config["model"]["drafter"].update(variant="lilicorr-conv", conv={"group_size": 8}, lilicorr={
         "candidate_topk": 4, "hidden_size": 16, "factor_dim": 8, "num_layers": 1, "num_heads": 2})
     config["spec_eval"] = {"prompts": str(root / "val.jsonl"), "every_n_steps": 2, "num_prompts": 2,
