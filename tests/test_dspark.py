@@ -498,20 +498,10 @@ DSPARK_ARGS = ["--model.drafter.variant=dspark", "--model.loss_weights=decay", "
 def test_a_cache_written_for_dspark_holds_the_final_hidden_state_and_trains_it_offline(setup, tmp_path):  # noqa: F811
     """`cache` stores the final hidden states for a DSpark config by default; a fit reads them from the cache; a cache
     without them is refused in one line naming the flag that writes them."""
-    from test_features_cache import SHARD_GB
+    from test_features_cache import check_cache_trains_a_part_offline
 
-    from dflash_lightning.cli import cli_main
-    from dflash_lightning.data.feature_cache import FeatureCache, FeatureCacheError
-
-    out = tmp_path / "dspark"
-    cli_main(["cache", "--config", setup["config"], "--out", str(out), "--shard_gb", SHARD_GB, *DSPARK_ARGS])
-    assert FeatureCache(out).manifest["final_hidden"] is True
-    cli = cli_main(["fit", "--config", setup["config"], f"--data.feature_cache={out}", *DSPARK_ARGS,
-                    "--trainer.max_steps=2", "--trainer.limit_val_batches=0", f"--trainer.default_root_dir={tmp_path}"])
-    assert cli.trainer.global_step == 2 and cli.model.drafter.markov_head is not None
-    with pytest.raises(FeatureCacheError, match="has no final_hidden .* --final_hidden true"):
-        cli_main(["fit", "--config", setup["config"], f"--data.feature_cache={setup['root'] / 'bf16'}", *DSPARK_ARGS,
-                  "--trainer.max_steps=1", f"--trainer.default_root_dir={tmp_path / 'b'}"])
+    cli = check_cache_trains_a_part_offline(setup, tmp_path, DSPARK_ARGS)
+    assert cli.model.drafter.markov_head is not None
 
 
 def test_the_heads_refuse_to_share_the_head_loop(monkeypatch):

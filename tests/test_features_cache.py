@@ -442,3 +442,21 @@ def test_two_ranks_write_the_same_cache(setup, tmp_path):
     assert ref.keys() == got.keys() and all(torch.equal(ref[n][k], got[n][k]) for n in ref for k in ref[n])
     assert [s["sha256"] for s in manifest["splits"]["train"]["shards"]] == [
         s["sha256"] for s in FeatureCache(setup["root"] / "bf16").manifest["splits"]["train"]["shards"]]
+
+
+def check_cache_trains_a_part_offline(setup: dict, tmp_path: Path, args: list[str]):
+    """`cache` with a part that reads the target's final hidden state (`args` name its variant) stores them by
+    default and a 2-step fit reads them; a cache without them is refused in one line naming the flag. The fit's CLI."""
+    from dflash_lightning.cli import cli_main
+    from dflash_lightning.data.feature_cache import FeatureCache, FeatureCacheError
+
+    out = tmp_path / "cache"
+    cli_main(["cache", "--config", setup["config"], "--out", str(out), "--shard_gb", SHARD_GB, *args])
+    assert FeatureCache(out).manifest["final_hidden"] is True
+    cli = cli_main(["fit", "--config", setup["config"], f"--data.feature_cache={out}", *args,
+                    "--trainer.max_steps=2", "--trainer.limit_val_batches=0", f"--trainer.default_root_dir={tmp_path}"])
+    assert cli.trainer.global_step == 2
+    with pytest.raises(FeatureCacheError, match="has no final_hidden .* --final_hidden true"):
+        cli_main(["fit", "--config", setup["config"], f"--data.feature_cache={setup['root'] / 'bf16'}", *args,
+                  "--trainer.max_steps=1", f"--trainer.default_root_dir={tmp_path / 'b'}"])
+    return cli

@@ -247,16 +247,7 @@ LATTICE_ARGS = ["--model.drafter.variant=lilicorr-conv", "--model.drafter.conv.g
 def test_a_cache_written_for_lilicorr_holds_the_final_hidden_state_and_trains_it_offline(setup, tmp_path):  # noqa: F811
     """`cache` stores the final hidden states for a LiLiCorr config by default; a fit reads them from the cache; a
     cache without them is refused in one line naming the flag that writes them."""
-    from dflash_lightning.cli import cli_main
-    from dflash_lightning.data.feature_cache import FeatureCache, FeatureCacheError
+    from test_features_cache import check_cache_trains_a_part_offline
 
-    s = setup
-    out = tmp_path / "lilicorr"
-    cli_main(["cache", "--config", s["config"], "--out", str(out), "--shard_gb", SHARD_GB, *LATTICE_ARGS])
-    assert FeatureCache(out).manifest["final_hidden"] is True
-    cli = cli_main(["fit", "--config", s["config"], f"--data.feature_cache={out}", *LATTICE_ARGS,
-                    "--trainer.max_steps=2", "--trainer.limit_val_batches=0", f"--trainer.default_root_dir={tmp_path}"])
-    assert cli.trainer.global_step == 2 and cli.model.drafter.lilicorr is not None
-    with pytest.raises(FeatureCacheError, match="has no final_hidden .* --final_hidden true"):
-        cli_main(["fit", "--config", s["config"], f"--data.feature_cache={s['root'] / 'bf16'}", *LATTICE_ARGS,
-                  "--trainer.max_steps=1", f"--trainer.default_root_dir={tmp_path / 'b'}"])
+    cli = check_cache_trains_a_part_offline(setup, tmp_path, LATTICE_ARGS)
+    assert cli.model.drafter.lilicorr is not None
