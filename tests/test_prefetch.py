@@ -87,3 +87,68 @@ def test_separate_placement_wraps_only_the_loaders_a_data_module_has(tiny_target
     TargetFeatures(str(tiny_target), "float32", "separate", ["cpu"], layer_ids=[1]).setup(trainer, object(), "fit")
     assert isinstance(data.train_dataloader(), FeaturePrefetcher)
     assert not is_overridden("val_dataloader", data)
+
+
+EXIT_SCRIPT = """
+import sys, torch
+from types import SimpleNamespace
+from lightning.pytorch import LightningDataModule
+from dflash_lightning.target_model import TargetFeatures
+
+
+class Busy(torch.nn.Module):  # a target inside its C++ ops (the GIL released) whenever the interpreter may exit
+    device = torch.device("cpu")
+
+    def extract(self, input_ids, position_ids):
+        a = torch.randn(400, 400)
+        for _ in range(40):
+            a = (a @ a).tanh()
+        return {"context_features": input_ids.float()[:, None] + a[0, 0]}
+
+
+class Data(LightningDataModule):
+    def train_dataloader(self):
+        return [{"input_ids": torch.full((4,), i), "position_ids": torch.arange(4)} for i in range(1000)]
+
+
+data = Data()
+trainer = SimpleNamespace(datamodule=data, strategy=SimpleNamespace(root_device=torch.device("cpu")))
+target = TargetFeatures(sys.argv[1], "float32", "separate", ["cpu", "cpu"], layer_ids=[1], prefetch=4)
+target.extractors = [Busy(), Busy()]
+target.prefetch_loaders(trainer)
+batches = iter(data.train_dataloader())
+next(batches)  # training stops here (max_steps) with the threads computing ahead
+if sys.argv[2] == "teardown":
+    target.teardown(trainer, None, "fit")
+"""
+
+
+def test_teardown_joins_the_target_threads_so_the_process_exits_cleanly(tiny_target, tmp_path):
+    """Threads still inside the target's ops when the interpreter exits abort it ("terminate called without an active
+    exception", exit -6: a DDP fit fed by engines in CI); the callback's teardown stops and joins them first."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "exit.py"
+    script.write_text(EXIT_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "OMP_NUM_THREADS": "1"}
+    for _ in range(3):  # with "no-teardown" in place of "teardown" it aborted 3 times in 3
+        done = subprocess.run([sys.executable, str(script), str(tiny_target), "teardown"], env=env, capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 0 and "terminate" not in done.stderr, done.stderr[-2000:]
+
+
+def test_closing_stops_every_live_iteration():
+    extractor = FakeExtractor(0.0)
+    prefetcher = FeaturePrefetcher(Loader(50), [extractor, FakeExtractor(0.0)], torch.device("cpu"), depth=2)
+    it = iter(prefetcher)
+    next(it)
+    assert prefetcher.halts
+    prefetcher.close()
+    assert not prefetcher.halts
+    assert not [t for t in threading.enumerate() if t.name.startswith("dflash-target")]
+    calls = extractor.calls
+    threading.Event().wait(0.2)
+    assert extractor.calls == calls  # nothing computes after closing

@@ -128,6 +128,7 @@ class TargetFeatures(Callback):
         self.engine = EngineProcess(engine_command, Path("engine.log")) if engine_command else None
         self.extractor: FeatureExtractor | None = None
         self.extractors: list[Any] = []
+        self.prefetchers: list[FeaturePrefetcher] = []
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if self.extractor is not None or self.extractors:
@@ -192,6 +193,9 @@ class TargetFeatures(Callback):
         return [EngineExtractor(c, layer_ids, dtype, norm) for c in clients for _ in range(self.engine_streams)]
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        for prefetcher in self.prefetchers:  # its threads are joined before the interpreter exits
+            prefetcher.close()
+        self.prefetchers.clear()
         if self.engine is not None:
             self.engine.stop()
 
@@ -211,7 +215,9 @@ class TargetFeatures(Callback):
         """`loader` with features computed ahead by the separate targets (empty loaders pass through)."""
         if isinstance(loader, (list, tuple)) and not loader:
             return loader
-        return FeaturePrefetcher(loader, self.extractors, device, self.prefetch)
+        prefetcher = FeaturePrefetcher(loader, self.extractors, device, self.prefetch)
+        self.prefetchers.append(prefetcher)
+        return prefetcher
 
     def add_features(self, batch: dict[str, Tensor]) -> None:
         """Write `context_features [T, K*H]` (and `final_hidden [T, H]`) unless a separate target already did."""

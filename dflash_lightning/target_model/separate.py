@@ -5,12 +5,16 @@ A node's trainer ranks deal the target devices out among themselves (`rank_devic
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 if TYPE_CHECKING:
     from dflash_lightning.target_model.features import FeatureExtractor
+
+
+JOIN_S = 60.0  # how long closing waits for a thread inside one batch (an engine request has its own deadline)
 
 
 class FeaturePrefetcher:
@@ -23,6 +27,13 @@ class FeaturePrefetcher:
 
     def __init__(self, loader: Any, extractors: list[FeatureExtractor], out_device: torch.device, depth: int) -> None:
         self.loader, self.extractors, self.out_device, self.depth = loader, extractors, out_device, depth
+        self.halts: list[Any] = []  # one per live iteration: stops and joins its threads
+
+    def close(self) -> None:
+        """Stops every live iteration's threads and waits for them (teardown: a thread still inside the target's C++
+        code when the interpreter exits aborts the process, `terminate called without an active exception`)."""
+        for halt in list(self.halts):
+            halt()
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -66,7 +77,23 @@ class FeaturePrefetcher:
                     batch = err
                 outs[rank].put(batch)
 
-        threads = [threading.Thread(target=work, args=(r,), daemon=True) for r in range(n)]
+        threads = [threading.Thread(target=work, args=(r,), daemon=True, name=f"dflash-target-{r}") for r in range(n)]
+
+        def halt() -> None:
+            stop.set()
+            with cond:
+                cond.notify_all()
+            deadline = time.monotonic() + JOIN_S
+            for t in threads:
+                while t.is_alive() and time.monotonic() < deadline:
+                    for q in outs:  # unblock producers waiting on a full queue
+                        while not q.empty():
+                            q.get_nowait()
+                    t.join(timeout=0.05)
+            if halt in self.halts:
+                self.halts.remove(halt)
+
+        self.halts.append(halt)
         for t in threads:
             t.start()
         try:
@@ -80,12 +107,7 @@ class FeaturePrefetcher:
                 yield item
                 i += 1
         finally:
-            stop.set()
-            with cond:
-                cond.notify_all()
-            for q in outs:  # unblock producers waiting on a full queue
-                while not q.empty():
-                    q.get_nowait()
+            halt()
 
 
 def extractor_device(extractor: Any) -> torch.device:
