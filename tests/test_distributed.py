@@ -97,8 +97,8 @@ VARIANT_ARGS = {
 }
 
 
-@pytest.mark.parametrize(("placement", "variant"), [("separate", "dflash2"), ("sharded", "dflash2"),
-                                                    ("separate", "lilicorr-conv"), ("sharded", "dspark")])
+@pytest.mark.parametrize(("placement", "variant"), [("sharded", "dflash2"), ("separate", "lilicorr-conv"),
+                                                    ("sharded", "dspark")])
 def test_two_process_ddp_fit_through_the_cli(tmp_path, placement, variant):
     """`--trainer.strategy=ddp --trainer.devices=2` on the CPU (gloo) runs the tiny config to the end.
 
