@@ -35,6 +35,7 @@ Features from an FP8 target against a bf16 one (issue 26), on a Hopper GPU:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -60,6 +61,42 @@ def lattice(width: int, token_proj_std: float | None = None) -> dict:
     return {**LILICORR_CONV, **TINY_LATTICE, "model.drafter.lilicorr.hidden_size": width, **std}
 
 
+def target_shape(base: dict) -> tuple[int, float]:
+    """H and the mean row norm of the input embedding of the config's target (a local folder)."""
+    return _target_shape(base["target"]["path"])
+
+
+@functools.cache
+def _target_shape(target: str) -> tuple[int, float]:
+    from safetensors import safe_open
+
+    path = ROOT / target  # relative to the repository, or absolute
+    if not (path / "config.json").exists():
+        raise SystemExit(f"target.path {target}: the scaled lattice recipes read a local folder's config.json and "
+                         "embedding")
+    config = json.loads((path / "config.json").read_text())
+    hidden = config.get("hidden_size") or config["text_config"]["hidden_size"]
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(file, "pt") as f:
+            for key in f.keys():
+                if key.endswith("embed_tokens.weight"):
+                    return hidden, float(f.get_tensor(key).float().norm(dim=1).mean())
+    raise SystemExit(f"{path}: no embed_tokens.weight in its safetensors files")
+
+
+def scaled_lattice(ratio: float) -> dict:
+    """The tiny screen's choice carried to any target (values computed from the --config's target at run time):
+    Hh = H/2, F = H, and token_proj's init std such that a candidate's token term starts at `ratio` times the
+    pass-hidden term's scale, ratio * 0.02 sqrt(H) / mean |E row| (the tiny target: 64, 128, std 1.99 at 3.5)."""
+    def std(base: dict) -> float:
+        hidden, norm = target_shape(base)
+        return round(ratio * 0.02 * hidden**0.5 / norm, 3)
+
+    return {**LILICORR_CONV, "model.drafter.lilicorr.hidden_size": lambda base: target_shape(base)[0] // 2,
+            "model.drafter.lilicorr.factor_dim": lambda base: target_shape(base)[0],
+            "model.drafter.lilicorr.token_proj_std": std}
+
+
 RECIPES = {
     "decay-ce": {"model.objective": "ce", "model.loss_weights": "decay"},
     "dpace-ce": {"model.objective": "ce", "model.loss_weights": "dpace"},
@@ -80,12 +117,17 @@ RECIPES = {
     "target-fp8": {"target.dtype": "bfloat16", "target.fp8": True},
     # LiLiCorr's candidate-token pathway (issue 43): at hidden_size 0 a candidate enters only as its frozen embedding
     # row (norm ~0.40 on the tiny target); a lattice of another width has a token_proj whose init std sets that gain
+    "lilicorr-conv-w64": lattice(64),
     "lilicorr-conv-w64-std0.5": lattice(64, 0.5),
+    "lilicorr-conv-w64-std2": lattice(64, 2.0),
     "lilicorr-conv-w256": lattice(256),
     "lilicorr-conv-w256-std0.5": lattice(256, 0.5),
     "lilicorr-conv-w256-std2": lattice(256, 2.0),
 }
-RECIPES["lilicorr-conv-tokens"] = RECIPES["lilicorr-conv-w256-std0.5"]  # the screen's choice (RESULTS.md, issue 43)
+RECIPES["lilicorr-conv-tokens"] = RECIPES["lilicorr-conv-w64-std2"]  # the screen's choice (RESULTS.md, issue 43)
+RECIPES["lilicorr-conv-tokens-scaled"] = scaled_lattice(3.5)  # the same for another target: --config X.yaml
+RECIPES["lilicorr-conv-tokens-scaled-warm"] = {**RECIPES["lilicorr-conv-tokens-scaled"],
+                                               "model.init_from": "@dflash2-dpace-ce"}
 # warm start: "@recipe" is that recipe's last.ckpt of the same seed and steps, fit first if it is not there
 RECIPES["lilicorr-conv-tokens-warm"] = {**RECIPES["lilicorr-conv-tokens"], "model.init_from": "@dflash2-dpace-ce"}
 PROMPTS = "dflash_lightning/assets/tiny/data/prompts.jsonl"
@@ -127,7 +169,7 @@ def one_run(name: str, seed: int, work: Path, base: dict, config_name: str, thre
     record_path = run_dir / "run.json"
     if record_path.exists() and (fit_only or report_path.exists()):
         return json.loads(record_path.read_text())
-    settings = dict(RECIPES[name])
+    settings = {k: v(base) if callable(v) else v for k, v in RECIPES[name].items()}  # from the config's target
     if steps:
         settings["trainer.max_steps"] = steps
     for key, value in settings.items():  # "@recipe": that recipe's last checkpoint of this seed, fit first if absent

@@ -227,9 +227,13 @@ def test_fit_bench_cpu_smoke_times_saves_and_a_preemption_through_the_user_fit(t
 
 def test_objective_ab_curves_pair_the_walk_with_the_argmax_and_the_lattice_recipes_check(tmp_path):
     """The A/B's LiLiCorr curves: walk minus argmax at each step both were logged, binned means; the lattice recipes
-    name LiLiCorr settings the tiny drafter (width 128) accepts, each with a token_proj."""
+    name LiLiCorr settings the tiny drafter (width 128) accepts, each with a token_proj; the scaled recipe gives the
+    tiny choice on the tiny target."""
     from dataclasses import replace
     from types import SimpleNamespace
+
+    import pytest
+    import yaml
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
@@ -247,9 +251,13 @@ def test_objective_ab_curves_pair_the_walk_with_the_argmax_and_the_lattice_recip
     assert curves["val/lilicorr/walk_minus_argmax"] == [[23, 1.0]]
     assert binned(curves["train/lilicorr/walk_minus_argmax"], 16) == [[16, 0.75], [32, 0.0]]
     lattices = [name for name, r in RECIPES.items() if "model.drafter.lilicorr.token_proj_std" in r]
-    assert "lilicorr-conv-tokens" in lattices and "lilicorr-conv-tokens-warm" in lattices
-    for name in lattices:
-        prefix = "model.drafter.lilicorr."
-        settings = {k[len(prefix):]: v for k, v in RECIPES[name].items() if k.startswith(prefix)}
+    assert {"lilicorr-conv-tokens", "lilicorr-conv-tokens-warm", "lilicorr-conv-tokens-scaled"} <= set(lattices)
+    base = yaml.safe_load((ROOT / "configs/tiny.yaml").read_text())
+    prefix = "model.drafter.lilicorr."
+    for name in lattices:  # the scaled ones computed from the tiny target (H 128, embedding rows of norm 0.40)
+        settings = {k[len(prefix):]: v(base) if callable(v) else v for k, v in RECIPES[name].items()
+                    if k.startswith(prefix)}
         replace(LiLiCorrSettings(), **settings).check(SimpleNamespace(hidden_size=128, vocab_size=4032))
         assert settings["hidden_size"] != 128, name
+        if "scaled" in name:  # the tiny choice again, from the rule
+            assert settings == {"hidden_size": 64, "factor_dim": 128, "token_proj_std": pytest.approx(2.0, abs=0.02)}
