@@ -123,11 +123,12 @@ class DrafterConfig:
         return preset(self.variant)
 
     def resolved(
-        self, target_config: Any, tokenizer_len: int | None = None, reserved_ids: list[int] | tuple = ()
+        self, target_config: Any, tokenizer_len: int | None = None, mask_ids: list[int] | tuple = ()
     ) -> DrafterConfig:
         """Fill every None from the target's Hugging Face config and check the result.
 
-        `reserved_ids` are special tokens the tokenizer knows but never emits (Llama 3's reserved ones).
+        `mask_ids` are the special tokens nothing writes (`target_model.mask_candidates`: Llama 3's reserved ones,
+        SmolLM2's unused ones), in the order MASK takes them when the embedding has no row past the tokenizer's.
         """
         tc = target_config
         text = getattr(tc, "text_config", None) or tc  # multimodal targets keep the LM config inside
@@ -159,17 +160,18 @@ class DrafterConfig:
         if out.mask_token_id is None:
             if tokenizer_len is not None and tokenizer_len < out.vocab_size:
                 out.mask_token_id = tokenizer_len  # the first row past the tokenizer's tokens
-            elif reserved_ids:
-                out.mask_token_id = reserved_ids[0]
+            elif mask_ids:
+                out.mask_token_id = mask_ids[0]
             else:
                 raise ConfigError(
-                    f"mask_token_id: the tokenizer has {tokenizer_len} tokens and the embedding "
-                    f"{out.vocab_size} rows, with no spare or reserved row for MASK; set mask_token_id"
+                    f"mask_token_id: the tokenizer has {tokenizer_len} tokens and the embedding {out.vocab_size} "
+                    "rows, and no special token that neither the chat template nor the tokenizer's named tokens "
+                    "write, so no row can be MASK; set model.drafter.mask_token_id to a row no data token uses"
                 )
-        out.check(tokenizer_len, reserved_ids)
+        out.check(tokenizer_len, mask_ids)
         return out
 
-    def check(self, tokenizer_len: int | None = None, reserved_ids: list[int] | tuple = ()) -> None:
+    def check(self, tokenizer_len: int | None = None, mask_ids: list[int] | tuple = ()) -> None:
         """Raise ConfigError naming the field of any value that cannot work."""
         if self.num_layers < 1:
             raise ConfigError(f"num_layers must be >= 1, got {self.num_layers}")
@@ -203,10 +205,17 @@ class DrafterConfig:
                     f"(vocab_size {self.vocab_size})"
                 )
             emitted = tokenizer_len is not None and self.mask_token_id < tokenizer_len
-            if emitted and self.mask_token_id not in reserved_ids:
+            if emitted and self.mask_token_id not in mask_ids:
+                if tokenizer_len < self.vocab_size:
+                    instead = f"use a row past them, e.g. {tokenizer_len}"
+                elif mask_ids:
+                    instead = f"use a special token nothing writes, e.g. {mask_ids[0]} (docs/method.md section 3)"
+                else:
+                    instead = "the embedding has no row past them and no special token nothing writes"
                 raise ConfigError(
-                    f"mask_token_id {self.mask_token_id} is a token the tokenizer emits (it has "
-                    f"{tokenizer_len} tokens); use a row past them, e.g. {tokenizer_len}"
+                    f"mask_token_id {self.mask_token_id} is a token the tokenizer emits (it has {tokenizer_len} "
+                    f"tokens, and it is not a special token that neither the chat template nor the tokenizer's "
+                    f"named tokens write); {instead}"
                 )
         self._check_layer_types()
         self._check_variant()
