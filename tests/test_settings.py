@@ -1,0 +1,193 @@
+"""Every setting a user types is checked before any target work (issue 46): a value outside its range is refused in one
+line naming the field and the range, and a value nothing would read (a part's setting under a variant without the
+part, an engine setting under another placement) in one line naming the setting and where it is read.
+
+The module is built on a target path that does not exist: a check that let a value through would end in 'no model
+folder' (FileNotFoundError), not in the ConfigError asserted.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import fields, replace
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dflash_lightning.cli import cli_main
+from dflash_lightning.config import ConfigError, DrafterConfig, check_unused_parts
+from dflash_lightning.decoding.validation import SpeculativeValidation
+from dflash_lightning.module import DFlashModule
+from dflash_lightning.parts.presets import ALL_PARTS, PRESETS
+
+CONFIGS = Path(__file__).parents[1] / "configs"
+NO_TARGET = "/nonexistent/target"
+
+
+def refused(drafter: DrafterConfig | None = None, target: str = NO_TARGET, **module) -> str:
+    """The one line DFlashModule refuses these settings with."""
+    with pytest.raises(ConfigError) as err:
+        DFlashModule(target, drafter or DrafterConfig(), **{"token_budget": 64, "num_anchors": 8, **module})
+    assert "\n" not in str(err.value)
+    return str(err.value)
+
+
+def with_part(part, **values) -> DrafterConfig:
+    """A drafter of the first variant that has `part`, its settings changed by `values`."""
+    variant = next(v for v, p in PRESETS.items() if part in p.parts)
+    return DrafterConfig(variant=variant, block_size=8, **{part.name: replace(part.settings_type(), **values)})
+
+
+# ---------------------------------------------------------------------------------------- each part's fields
+
+BAD = {  # (part, field) -> (a value its part refuses, the line's start); None: no bad value (a bool, typed by the CLI)
+    ("conv", "kernel_size"): (0, "conv.kernel_size must be in 1..block_size (8), got 0"),
+    ("conv", "group_size"): (0, "conv.group_size must be >= 1 and divide hidden_size, got 0"),
+    ("selector", "rank"): (0, "selector.rank must be >= 1, got 0"),
+    ("selector", "top_k"): (1, "selector.top_k must be in 2..vocab_size, got 1"),
+    ("selector", "loss_weight"): (-1.0, "selector.loss_weight must be >= 0, got -1.0"),
+    ("lilicorr", "candidate_topk"): (3, "lilicorr.candidate_topk must be a power of two in 1..16 (the engines'), "
+                                        "got 3"),
+    ("lilicorr", "hidden_size"): (-1, "lilicorr.hidden_size must be >= 0 (0: the drafter's width), got -1"),
+    ("lilicorr", "factor_dim"): (0, "lilicorr.factor_dim must be >= 1, got 0"),
+    ("lilicorr", "num_layers"): (0, "lilicorr.num_layers must be >= 1, got 0"),
+    ("lilicorr", "num_heads"): (0, "lilicorr.num_heads must be >= 1, got 0"),
+    ("lilicorr", "mlp_ratio"): (1e-4, "lilicorr.mlp_ratio must be >= 1/Hh = 0.0009766 (Hh 1024: a lattice MLP of at "
+                                      "least one unit), got 0.0001"),
+    ("lilicorr", "logit_scale"): (0.0, "lilicorr.logit_scale must be > 0, got 0.0"),
+    ("lilicorr", "vector_eps"): (0.5, "lilicorr.vector_eps must be in (0, 0.5), got 0.5"),
+    ("lilicorr", "ce_weight"): (-1.0, "lilicorr.ce_weight must be >= 0, got -1.0"),
+    ("lilicorr", "margin_weight"): (-1.0, "lilicorr.margin_weight must be >= 0, got -1.0"),
+    ("lilicorr", "penalty_weight"): (-1.0, "lilicorr.penalty_weight must be >= 0, got -1.0"),
+    ("dspark_heads", "markov_rank"): (0, "dspark_heads.markov_rank must be >= 1, got 0"),
+    ("dspark_heads", "confidence_with_markov"): None,
+    ("dspark_heads", "ce_weight"): (-1.0, "dspark_heads.ce_weight must be >= 0, got -1.0"),
+    ("dspark_heads", "tv_weight"): (-1.0, "dspark_heads.tv_weight must be >= 0, got -1.0"),
+    ("dspark_heads", "confidence_weight"): (-1.0, "dspark_heads.confidence_weight must be >= 0, got -1.0"),
+}
+
+
+def test_every_field_of_every_part_is_refused_out_of_range_before_the_target_is_read():
+    """Each field's bad value, and inf and NaN for each number (the rule is the config's, for any part), refused in
+    one line naming the field; a part's field without a row here fails the test."""
+    every = [(part, f) for part in ALL_PARTS for f in fields(part.settings_type)]
+    assert {(part.name, f.name) for part, f in every} == set(BAD), "a part's field has no bad value in BAD"
+    for part, f in every:
+        case = BAD[part.name, f.name]
+        if case is not None:
+            assert refused(with_part(part, **{f.name: case[0]})) == case[1]
+        if f.type == "float":
+            for value in (math.inf, math.nan):
+                assert refused(with_part(part, **{f.name: value})) == \
+                    f"{part.name}.{f.name} must be a finite number, got {value}"
+
+
+def test_settings_that_together_cannot_train_are_refused(tiny_target):
+    (conv, selector, lilicorr, dspark) = (next(p for p in ALL_PARTS if p.name == n)
+                                          for n in ("conv", "selector", "lilicorr", "dspark_heads"))
+    assert refused(with_part(lilicorr, ce_weight=0.0, penalty_weight=0.0)).startswith(
+        "lilicorr: ce_weight, margin_weight and penalty_weight are all 0, so the reranker would never train")
+    assert refused(with_part(dspark, ce_weight=0.0, tv_weight=0.0)) == (
+        "dspark_heads: ce_weight and tv_weight are both 0, so the drafter's tokens would never train (only the "
+        "confidence head would); set one above 0")
+    # a lattice MLP of 0 units at the lattice width (the issue's mlp_ratio 0.01 at width 32)
+    assert refused(with_part(lilicorr, hidden_size=32, num_heads=2, mlp_ratio=0.01)).startswith(
+        "lilicorr.mlp_ratio must be >= 1/Hh = 0.03125 (Hh 32")
+    # what the target decides (width 64, 80 tokens), checked once its config is read
+    assert refused(with_part(lilicorr, hidden_size=0, num_heads=2, mlp_ratio=0.01), str(tiny_target)).startswith(
+        "lilicorr.mlp_ratio must be >= 1/Hh = 0.01562 (Hh 64")
+    assert refused(with_part(conv, group_size=24), str(tiny_target)) == \
+        "conv.group_size (24) must divide hidden_size (64)"
+    assert refused(with_part(selector, top_k=100), str(tiny_target)).startswith(
+        "selector.top_k must be in 2..vocab_size (")
+    assert refused(DrafterConfig(block_size=8), str(tiny_target), topk=(1, 1000)).startswith(
+        "model.topk: each k must be in 1..vocab_size (")
+
+
+# ---------------------------------------------------------------------------- a part the variant does not have
+
+def test_a_part_setting_under_a_variant_without_the_part_is_refused_naming_the_variants_with_it():
+    """The issue's three cases word for word, then every part under every preset that lacks it (a new part is
+    covered without a new line here)."""
+    (conv, lilicorr, dspark) = (next(p for p in ALL_PARTS if p.name == n) for n in ("conv", "lilicorr", "dspark_heads"))
+    assert refused(replace(with_part(lilicorr, candidate_topk=3), variant="dflash2")) == (
+        "model.drafter.lilicorr.candidate_topk=3: variant 'dflash2' has no lilicorr part, so it would be ignored; the "
+        "variants with it: lilicorr, lilicorr-conv. Set model.drafter.variant to one of those, or drop the setting "
+        "from the config and command line (or override with the default: model.drafter.lilicorr.candidate_topk=8)")
+    assert refused(replace(with_part(conv, group_size=8), variant="dspark")).startswith(
+        "model.drafter.conv.group_size=8: variant 'dspark' has no conv part, so it would be ignored; the variants "
+        "with it: dflash2, lilicorr-conv.")
+    assert refused(replace(with_part(dspark, markov_rank=0), variant="lilicorr-conv")).startswith(
+        "model.drafter.dspark_heads.markov_rank=0: variant 'lilicorr-conv' has no dspark_heads part, so it would be "
+        "ignored; the variants with it: dspark.")
+    for part in ALL_PARTS:
+        users = ", ".join(v for v, p in PRESETS.items() if part in p.parts)
+        for variant in (v for v, p in PRESETS.items() if part not in p.parts):
+            for f in fields(part.settings_type):
+                other = {"bool": lambda x: not x, "int": lambda x: x + 1}.get(f.type, lambda x: x * 2 + 1)
+                value = other(getattr(part.settings_type(), f.name))
+                cfg = DrafterConfig(variant=variant, **{part.name: replace(part.settings_type(), **{f.name: value})})
+                with pytest.raises(ConfigError) as err:
+                    check_unused_parts(cfg)
+                assert str(err.value).startswith(
+                    f"model.drafter.{part.name}.{f.name}={value}: variant '{variant}' has no {part.name} part, so it "
+                    f"would be ignored; the variants with it: {users}."), err.value
+
+
+def test_every_shipped_config_takes_any_variant_and_a_changed_setting_says_what_to_do(tmp_path, monkeypatch):
+    """A setting counts as given when it differs from its default: the shipped configs give their parts' defaults, so
+    `--model.drafter.variant=<any>` on any of them is not refused. A config that gives another recipe (LiLiCorr's
+    'margin' weights) and a variant override is refused through the CLI before the target is read."""
+    for path in sorted(CONFIGS.glob("*.yaml")):
+        drafter = DrafterConfig.from_dict(yaml.safe_load(path.read_text())["model"]["drafter"])
+        for variant in PRESETS:
+            check_unused_parts(replace(drafter, variant=variant))
+    import dflash_lightning.module as module
+
+    monkeypatch.setattr(module, "load_target_config", lambda *a: pytest.fail("the target was read"))
+    config = yaml.safe_load((CONFIGS / "tiny.yaml").read_text())
+    config["model"]["drafter"].update(variant="lilicorr", lilicorr={"ce_weight": 0.125, "margin_weight": 0.125})
+    (tmp_path / "margin.yaml").write_text(yaml.safe_dump(config))
+    with pytest.raises(ConfigError) as err:
+        cli_main(["--config", str(tmp_path / "margin.yaml"), "--model.drafter.variant=dflash"], run=False)
+    assert str(err.value) == (
+        "model.drafter.lilicorr.ce_weight=0.125, model.drafter.lilicorr.margin_weight=0.125: variant 'dflash' has no "
+        "lilicorr part, so they would be ignored; the variants with it: lilicorr, lilicorr-conv. Set "
+        "model.drafter.variant to one of those, or drop the settings from the config and command line (or override "
+        "with the default: model.drafter.lilicorr.ce_weight=0.25, model.drafter.lilicorr.margin_weight=0.0)")
+
+
+# ------------------------------------------------------------------------------------- the module's own numbers
+
+@pytest.mark.parametrize(("values", "line"), [
+    ({"lr": 0.0}, "model.lr must be a finite number > 0, got 0.0"),
+    ({"lr": math.nan}, "model.lr must be a finite number > 0, got nan"),
+    ({"weight_decay": -0.1}, "model.weight_decay must be a finite number >= 0, got -0.1"),
+    ({"betas": (0.9, 1.0)}, "model.betas must be two numbers in [0, 1), got [0.9, 1.0]"),
+    ({"compile_mode": "fast"}, "model.compile_mode must be null or one of ('default', 'reduce-overhead', "
+                               "'max-autotune', 'max-autotune-no-cudagraphs'), got 'fast'"),
+    ({"topk": (5, 10)}, "model.topk must include 1 (plain accuracy) and hold k >= 1 only, got [5, 10]"),
+    ({"topk": (1, 0)}, "model.topk must include 1 (plain accuracy) and hold k >= 1 only, got [1, 0]"),
+    ({"temperature": math.inf}, "model.temperature must be > 0 and finite, got inf"),
+    ({"loss_weights": "decay", "dpace_alpha": 0.3},
+     "model.dpace_alpha=0.3: read only with model.loss_weights=dpace, so ignored; set that, or drop model.dpace_alpha"),
+    ({"objective": "ce", "temperature": 2.0},
+     "model.temperature=2.0: read only with model.objective=kl or ce+kl, so ignored; set that, or drop "
+     "model.temperature"),
+])
+def test_module_numbers_are_refused_naming_the_field(values, line):
+    assert refused(**values) == line
+
+
+def test_spec_eval_numbers_are_refused_naming_the_field():
+    for values, line in (
+        ({"every_n_steps": -1}, "spec_eval.every_n_steps must be >= 0 (0: off), got -1"),
+        ({"num_prompts": 0}, "spec_eval.num_prompts must be >= 1, got 0"),
+        ({"max_new_tokens": 0}, "spec_eval.max_new_tokens must be >= 1, got 0"),
+        ({"temperature": math.inf}, "spec_eval.temperature must be finite, got inf"),
+        ({"top_p": 0.0}, "spec_eval.top_p must be in (0, 1] (1: off), got 0.0"),
+    ):
+        with pytest.raises(ConfigError) as err:
+            SpeculativeValidation(**values)
+        assert str(err.value) == line
