@@ -20,6 +20,8 @@ from dflash_lightning.config import ConfigError, DrafterConfig, check_unused_par
 from dflash_lightning.decoding.validation import SpeculativeValidation
 from dflash_lightning.module import DFlashModule
 from dflash_lightning.parts.presets import ALL_PARTS, PRESETS
+from dflash_lightning.target_model import TargetFeatures
+from dflash_lightning.target_model.callback import check_target_settings
 
 CONFIGS = Path(__file__).parents[1] / "configs"
 NO_TARGET = "/nonexistent/target"
@@ -191,3 +193,51 @@ def test_spec_eval_numbers_are_refused_naming_the_field():
         with pytest.raises(ConfigError) as err:
             SpeculativeValidation(**values)
         assert str(err.value) == line
+
+
+# ------------------------------------------------------------------------------------------ engine placement
+
+ENGINE = {"placement": "engine", "engine_urls": ["http://127.0.0.1:8000/v1"]}
+
+
+@pytest.mark.parametrize(("values", "line"), [
+    ({"engine_request_timeout_s": 0}, "target.engine_request_timeout_s must be a finite number of seconds > 0, got 0"),
+    ({"engine_request_timeout_s": -1}, "target.engine_request_timeout_s must be a finite number of seconds > 0, "
+                                       "got -1"),
+    ({"engine_deadline_s": -5}, "target.engine_deadline_s must be a finite number of seconds > 0, got -5"),
+    ({"engine_startup_s": -1}, "target.engine_startup_s must be a finite number of seconds > 0, got -1"),
+    ({"engine_startup_s": math.inf}, "target.engine_startup_s must be a finite number of seconds > 0, got inf"),
+    ({"engine_streams": 0}, "target.engine_streams must be >= 1, got 0"),
+    ({"prefetch": 0}, "target.prefetch must be >= 1, got 0"),
+    ({"engine_urls": ["127.0.0.1:8000/v1"]}, "target.engine_urls: '127.0.0.1:8000/v1' is not an http(s) URL with a "
+                                             "host; give each engine's OpenAI base URL, http://host:port/v1"),
+    ({"engine_urls": ["localhost:8000/v1"]}, "target.engine_urls: 'localhost:8000/v1' is not an http(s) URL"),
+    ({"engine_urls": ["http://host:port/v1"]}, "target.engine_urls: 'http://host:port/v1' is not an http(s) URL"),
+    ({"engine_urls": ["http:///v1"]}, "target.engine_urls: 'http:///v1' is not an http(s) URL"),
+    ({"placement": "colocated", "engine_urls": None, "engine_deadline_s": 60.0},
+     "target.engine_deadline_s: used by placement 'engine' only, placement is 'colocated', so ignored; add "
+     "--target.placement=engine, or drop it"),
+    ({"placement": "sharded", "engine_urls": None, "target_devices": ["cuda:1"]},
+     "target.target_devices: used by placement 'separate' only, placement is 'sharded', so ignored; add "
+     "--target.placement=separate, or drop it"),
+    ({"placement": "colocated", "engine_urls": None, "prefetch": 4},
+     "target.prefetch: used by placement 'separate' or 'engine' only, placement is 'colocated', so ignored; add "
+     "--target.placement=engine, or drop it"),
+    ({"feature_cache": "cache/"}, "target.placement=engine: data.feature_cache cache/ serves stored features, no "
+                                  "target runs; drop --target.placement (or the feature cache)"),
+])
+def test_engine_placement_values_are_refused_naming_the_field(values, line):
+    with pytest.raises(ConfigError) as err:
+        check_target_settings(path="t", **{**ENGINE, **values})
+    assert str(err.value).startswith(line) and "\n" not in str(err.value)
+
+
+def test_the_cli_refuses_a_target_setting_before_the_model_reads_the_target(monkeypatch):
+    import dflash_lightning.module as module
+
+    monkeypatch.setattr(module, "load_target_config", lambda *a: pytest.fail("the target was read"))
+    with pytest.raises(ConfigError, match=r"^target.engine_urls: '127.0.0.1:9/v1' is not an http\(s\) URL"):
+        cli_main(["--config", str(CONFIGS / "tiny.yaml"), "--target.placement=engine",
+                  "--target.engine_urls=[127.0.0.1:9/v1]"], run=False)
+    with pytest.raises(ConfigError, match="target.engine_request_timeout_s must be"):  # the callback, built alone
+        TargetFeatures("t", **ENGINE, engine_request_timeout_s=0)
