@@ -8,13 +8,17 @@ folder' (FileNotFoundError), not in the ConfigError asserted.
 
 from __future__ import annotations
 
+import json
 import math
+import threading
 from dataclasses import fields, replace
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 import yaml
 
+from dflash_lightning.__main__ import FAILED_RUN
 from dflash_lightning.cli import cli_main
 from dflash_lightning.config import ConfigError, DrafterConfig, check_unused_parts
 from dflash_lightning.decoding.validation import SpeculativeValidation
@@ -22,6 +26,7 @@ from dflash_lightning.module import DFlashModule
 from dflash_lightning.parts.presets import ALL_PARTS, PRESETS
 from dflash_lightning.target_model import TargetFeatures
 from dflash_lightning.target_model.callback import check_target_settings
+from dflash_lightning.target_model.engine import EngineClient, EngineError, wait_ready
 
 CONFIGS = Path(__file__).parents[1] / "configs"
 NO_TARGET = "/nonexistent/target"
@@ -241,3 +246,68 @@ def test_the_cli_refuses_a_target_setting_before_the_model_reads_the_target(monk
                   "--target.engine_urls=[127.0.0.1:9/v1]"], run=False)
     with pytest.raises(ConfigError, match="target.engine_request_timeout_s must be"):  # the callback, built alone
         TargetFeatures("t", **ENGINE, engine_request_timeout_s=0)
+
+
+# ------------------------------------------------------------------ an engine that answers, but not as vLLM does
+
+@pytest.fixture
+def answering():
+    """An HTTP server on a free port answering every request with `answers[path]` = (status, content type, body);
+    yields (base URL, answers)."""
+    answers: dict[str, tuple[int, str, bytes]] = {}
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args) -> None:
+            pass
+
+        def reply(self) -> None:
+            if "content-length" in self.headers:
+                self.rfile.read(int(self.headers["content-length"]))
+            status, kind, body = answers.get(self.path, (404, "application/json", b'{"detail":"Not Found"}'))
+            self.send_response(status)
+            self.send_header("content-type", kind)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_POST = reply
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", answers
+    server.shutdown()
+    thread.join()
+
+
+def test_an_engine_that_answers_not_as_vllm_is_named_with_what_it_answered(answering):
+    """Refused at once (not after the startup wait), exit 1 (EngineError); a 5xx is retried and named when the wait
+    ends; a completion answered with bytes that are not JSON is retried and named the same way."""
+    base, answers = answering
+    assert EngineError in FAILED_RUN  # `python -m dflash_lightning` exits 1 on it
+    answers["/v1/models"] = (200, "text/html", b"<html><body>It works!</body></html>")
+    with pytest.raises(EngineError) as err:
+        wait_ready([EngineClient(f"{base}/v1", [1], 16)], None, 30.0)
+    assert str(err.value) == (
+        f"engine {base}/v1: GET /v1/models answered HTTP 200, first bytes b'<html><body>It works!</body></html>', not "
+        "what vLLM's OpenAI server answers; is target.engine_urls the base URL of a vLLM engine (http://host:port/v1)?")
+    with pytest.raises(EngineError) as err:  # the URL without /v1: vLLM's own 404
+        wait_ready([EngineClient(base, [1], 16)], None, 30.0)
+    assert str(err.value) == (
+        f"engine {base}: GET /models answered HTTP 404, first bytes b'{{\"detail\":\"Not Found\"}}', not what vLLM's "
+        "OpenAI server answers; target.engine_urls names each engine's base URL, ending in /v1 (http://host:port/v1)")
+    answers["/v1/models"] = (200, "application/json", b'{"object": "list"}')
+    with pytest.raises(EngineError, match=r"GET /v1/models answered HTTP 200, first bytes b'\{\"object\": \"list\"\}'"):
+        EngineClient(f"{base}/v1", [1], 16).connect()
+    answers["/v1/models"] = (503, "text/plain", b"starting")
+    with pytest.raises(EngineError) as err:
+        wait_ready([EngineClient(f"{base}/v1", [1], 16)], None, 1.0)
+    assert str(err.value) == (f"engine {base}/v1: not reachable within 1 s (GET /v1/models answered HTTP 503, first "
+                              "bytes b'starting')")
+    answers["/v1/models"] = (200, "application/json", json.dumps({"data": [{"id": "m"}]}).encode())
+    answers["/v1/completions"] = (200, "text/plain", b"Internal error")
+    client = EngineClient(f"{base}/v1", [1], 16, deadline_s=0.2).connect()
+    with pytest.raises(EngineError) as err:
+        client.hidden_states([5, 6])
+    assert str(err.value).startswith(f"engine {base}/v1: no valid hidden states for a 2-token document after ")
+    assert str(err.value).endswith("(last: POST /v1/completions answered HTTP 200, first bytes b'Internal error')")
