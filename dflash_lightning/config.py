@@ -6,6 +6,7 @@ Every size the drafter shares with the target is read from the target's config u
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import Any, Literal
 
@@ -13,7 +14,7 @@ from dflash_lightning.errors import ConfigError
 from dflash_lightning.parts.convolutions import ConvSettings
 from dflash_lightning.parts.dspark import DSparkSettings
 from dflash_lightning.parts.lilicorr import LiLiCorrSettings
-from dflash_lightning.parts.presets import DEFAULT_VARIANT, PRESETS, Preset, preset
+from dflash_lightning.parts.presets import ALL_PARTS, DEFAULT_VARIANT, PRESETS, Preset, preset
 from dflash_lightning.parts.selector import SelectorSettings
 
 # Loss decay per block size (docs/method.md section 4); other block sizes must set gamma explicitly.
@@ -96,7 +97,8 @@ class DrafterConfig:
     """The preset of parts on the DFlash backbone (docs/parts.md): `dflash`; `dflash2`, + block convolutions and a
     candidate selector (docs/method.md 10); `lilicorr`, + a candidate-lattice reranker (section 11);
     `lilicorr-conv`, + the reranker and the block convolutions; `dspark`, anchor-first blocks + Markov and confidence
-    heads (section 12). A part's settings below are read only by a variant that has the part."""
+    heads (section 12). A part's settings below are read only by a variant that has the part; one given another value
+    than its default under a variant without the part is refused (docs/parts.md)."""
     conv: ConvSettings = field(default_factory=ConvSettings)
     """Block convolutions (dflash2, lilicorr-conv)."""
     selector: SelectorSettings = field(default_factory=SelectorSettings)
@@ -245,7 +247,12 @@ class DrafterConfig:
 
     def _check_variant(self) -> None:
         for part in self.preset.parts:  # a part's settings are checked where the variant has the part
-            getattr(self, part.name).check(self)
+            settings = getattr(self, part.name)
+            for f in fields(settings):  # every part's numbers: NaN and inf train nothing
+                value = getattr(settings, f.name)
+                if isinstance(value, float) and not math.isfinite(value):
+                    raise ConfigError(f"{part.name}.{f.name} must be a finite number, got {value}")
+            settings.check(self)
 
     def attention_rule(self, layer: int) -> tuple[int | None, bool]:
         """(window W or None, causal inside the block) of a drafter layer: the mask it attends under."""
@@ -287,6 +294,28 @@ class DrafterConfig:
             shape = set(part.config_fields.values())
             out += [f"{part.name}.{f.name}" for f in fields(getattr(self, part.name)) if f.name not in shape]
         return out
+
+
+def check_unused_parts(config: DrafterConfig) -> None:
+    """Refuse a part's setting given a value other than its default where the variant lacks the part (it would be
+    ignored), naming the setting and the variants that have the part. Checked where a user sets them (the module),
+    not on checkpoints or folders."""
+    for part in ALL_PARTS:
+        if part in config.preset.parts:
+            continue
+        settings, defaults = getattr(config, part.name), part.settings_type()
+        changed = [f.name for f in fields(settings) if getattr(settings, f.name) != getattr(defaults, f.name)]
+        if not changed:
+            continue
+        key = f"model.drafter.{part.name}."
+        given = ", ".join(f"{key}{name}={getattr(settings, name)}" for name in changed)
+        default = ", ".join(f"{key}{name}={getattr(defaults, name)}" for name in changed)
+        users = ", ".join(v for v, p in PRESETS.items() if part in p.parts)
+        raise ConfigError(
+            f"{given}: variant '{config.variant}' has no {part.name} part, so {'it' if len(changed) == 1 else 'they'}"
+            f" would be ignored; the variants with it: {users}. Set model.drafter.variant to one of those, or drop "
+            f"the setting{'s' if len(changed) > 1 else ''} from the config and command line (or override with the "
+            f"default: {default})")
 
 
 def _plain(value: Any) -> Any:
@@ -333,4 +362,7 @@ def _rope_settings(text_config: Any) -> tuple[float, dict[str, Any] | None]:
     return theta, (dict(scaling) if scaling else None)
 
 
-__all__ = ["VARIANTS", "ConfigError", "DrafterConfig", "default_target_layer_ids", "upgrade_fields", "upgrade_record"]
+__all__ = [
+    "VARIANTS", "ConfigError", "DrafterConfig", "check_unused_parts", "default_target_layer_ids", "upgrade_fields",
+    "upgrade_record",
+]

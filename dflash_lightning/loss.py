@@ -7,6 +7,7 @@ head's matmuls can run in FP8 with the head pre-quantized once (`dflash_lightnin
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -47,8 +48,8 @@ class LossSettings:
             raise ConfigError(f"loss_weights must be one of {LOSS_WEIGHTS}, got '{self.loss_weights}'")
         if not 0.0 <= self.dpace_alpha <= 1.0:
             raise ConfigError(f"dpace_alpha must be in [0, 1], got {self.dpace_alpha}")
-        if not self.temperature > 0:
-            raise ConfigError(f"temperature must be > 0, got {self.temperature}")
+        if not 0 < self.temperature < math.inf:
+            raise ConfigError(f"temperature must be > 0 and finite, got {self.temperature}")
 
     @property
     def distills(self) -> bool:

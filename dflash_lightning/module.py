@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from dflash_lightning import lightning_compat as compat
 from dflash_lightning.blocks import anchor_seed, base_slot_weights, first_slot, select_anchors
-from dflash_lightning.config import PART_SETTINGS, ConfigError, DrafterConfig, upgrade_record
+from dflash_lightning.config import PART_SETTINGS, ConfigError, DrafterConfig, check_unused_parts, upgrade_record
 from dflash_lightning.fp8 import Recipe, convert_linears, require_fp8
 from dflash_lightning.long_runs import resume
 from dflash_lightning.loss import LossSettings
@@ -32,6 +32,7 @@ from dflash_lightning.model import DFlashDrafter, DraftOutput
 from dflash_lightning.target_model import load_target_config, load_target_io, tokenizer_ids
 
 BATCH_KEYS = ("input_ids", "position_ids", "doc_ids", "loss_mask")
+COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # torch.compile's
 
 
 class NonFiniteError(RuntimeError):
@@ -151,31 +152,52 @@ class DFlashModule(LightningModule):
         """
         super().__init__()
         self.save_hyperparameters()
-        self.drafter_config = drafter.resolved(load_target_config(target), *tokenizer_ids(target))
-        cfg = self.drafter_config
-        if token_budget < cfg.block_size:
-            raise ConfigError(f"token_budget ({token_budget}) must be >= block_size ({cfg.block_size})")
-        if not 1 <= num_anchors <= token_budget:
-            raise ConfigError(f"num_anchors must be in 1..token_budget ({token_budget}), got {num_anchors}")
-        if metrics_every < 1:
-            raise ConfigError(f"metrics_every must be >= 1, got {metrics_every}")
-        self.loss_settings = LossSettings(objective, loss_weights, dpace_alpha, temperature)
-        if cfg.preset.sample_from_anchor and (objective != "ce" or loss_weights != "decay"):
+        # every value the user typed, before the target's config is read
+        check_unused_parts(drafter)
+        drafter.check()
+        for ok, message in (
+            (token_budget >= drafter.block_size,
+             f"model.token_budget ({token_budget}) must be >= block_size ({drafter.block_size})"),
+            (1 <= num_anchors <= token_budget, f"model.num_anchors must be in 1..token_budget ({token_budget}), got "
+                                               f"{num_anchors}"),
+            (0 < lr < math.inf, f"model.lr must be a finite number > 0, got {lr}"),
+            (0 <= weight_decay < math.inf, f"model.weight_decay must be a finite number >= 0, got {weight_decay}"),
+            (len(betas) == 2 and all(0 <= b < 1 for b in betas),
+             f"model.betas must be two numbers in [0, 1), got {list(betas)}"),
+            (0 <= warmup_ratio < 1, f"model.warmup_ratio must be in [0, 1) (a fraction of the steps), got "
+                                    f"{warmup_ratio}"),
+            (0 <= min_lr_ratio <= 1, f"model.min_lr_ratio must be in [0, 1] (a fraction of lr), got {min_lr_ratio}"),
+            (compile_mode in COMPILE_MODES, f"model.compile_mode must be null or one of {COMPILE_MODES[1:]}, got "
+                                            f"{compile_mode!r}"),
+            (metrics_every >= 1, f"model.metrics_every must be >= 1, got {metrics_every}"),
+            (1 in topk and min(topk) >= 1, f"model.topk must include 1 (plain accuracy) and hold k >= 1 only, got "
+                                           f"{list(topk)}"),
+            (head_chunk_size >= 1, f"model.head_chunk_size must be >= 1, got {head_chunk_size}"),
+            (max_nonfinite_in_a_row >= 1, f"model.max_nonfinite_in_a_row must be >= 1, got {max_nonfinite_in_a_row}"),
+        ):
+            if not ok:
+                raise ConfigError(message)
+        try:
+            self.loss_settings = LossSettings(objective, loss_weights, dpace_alpha, temperature)
+        except ConfigError as err:
+            raise ConfigError(f"model.{err}") from None
+        for name, value, needs, now in (("dpace_alpha", dpace_alpha, "loss_weights=dpace", loss_weights == "dpace"),
+                                        ("temperature", temperature, "objective=kl or ce+kl", objective != "ce")):
+            if value != getattr(LossSettings, name) and not now:  # set, where nothing reads it
+                raise ConfigError(f"model.{name}={value}: read only with model.{needs}, so ignored; set that, or drop "
+                                  f"model.{name}")
+        if drafter.preset.sample_from_anchor and (objective != "ce" or loss_weights != "decay"):
             # section 12's loss is its own: the heads' L1 to the target's distribution, exp(-k/gamma) slot weights
-            raise ConfigError(f"model.drafter.variant '{cfg.variant}' trains with section 12's loss: set "
+            raise ConfigError(f"model.drafter.variant '{drafter.variant}' trains with section 12's loss: set "
                               f"model.objective=ce (not {objective}) and model.loss_weights=decay (not {loss_weights})")
         if init_from and not Path(init_from).exists():  # before any target or GPU work
             raise ConfigError(f"model.init_from: no drafter checkpoint or folder at '{init_from}'")
-        if head_chunk_size < 1:
-            raise ConfigError(f"head_chunk_size must be >= 1, got {head_chunk_size}")
-        if not 0 <= warmup_ratio < 1:
-            raise ConfigError(f"warmup_ratio must be in [0, 1) (a fraction of the steps), got {warmup_ratio}")
-        if not 0 <= min_lr_ratio <= 1:
-            raise ConfigError(f"min_lr_ratio must be in [0, 1] (a fraction of lr), got {min_lr_ratio}")
         if nonfinite not in ("skip", "stop"):
-            raise ConfigError(f"nonfinite must be skip or stop, got {nonfinite!r}")
-        if max_nonfinite_in_a_row < 1:
-            raise ConfigError(f"max_nonfinite_in_a_row must be >= 1, got {max_nonfinite_in_a_row}")
+            raise ConfigError(f"model.nonfinite must be skip or stop, got {nonfinite!r}")
+        self.drafter_config = drafter.resolved(load_target_config(target), *tokenizer_ids(target))
+        cfg = self.drafter_config
+        if max(topk) > cfg.vocab_size:
+            raise ConfigError(f"model.topk: each k must be in 1..vocab_size ({cfg.vocab_size}), got {list(topk)}")
         first = first_slot(cfg.preset.sample_from_anchor)
         self.train_metrics = DraftMetrics(cfg.block_size, topk, first)
         self.val_metrics = DraftMetrics(cfg.block_size, topk, first)

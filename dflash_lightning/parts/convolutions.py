@@ -36,10 +36,10 @@ class ConvSettings:
             raise ConfigError(
                 f"conv.kernel_size must be in 1..block_size ({config.block_size}), got {self.kernel_size}"
             )
-        if self.group_size < 1 or (config.hidden_size is not None and config.hidden_size % self.group_size):
-            raise ConfigError(
-                f"conv.group_size ({self.group_size}) must be >= 1 and divide hidden_size ({config.hidden_size})"
-            )
+        if self.group_size < 1:
+            raise ConfigError(f"conv.group_size must be >= 1 and divide hidden_size, got {self.group_size}")
+        if config.hidden_size is not None and config.hidden_size % self.group_size:
+            raise ConfigError(f"conv.group_size ({self.group_size}) must divide hidden_size ({config.hidden_size})")
 
 
 class BlockConv(nn.Module):

@@ -47,6 +47,9 @@ class DSparkSettings:
         for name in ("ce_weight", "tv_weight", "confidence_weight"):
             if not getattr(self, name) >= 0:
                 raise ConfigError(f"dspark_heads.{name} must be >= 0, got {getattr(self, name)}")
+        if not (self.ce_weight or self.tv_weight):
+            raise ConfigError("dspark_heads: ce_weight and tv_weight are both 0, so the drafter's tokens would never "
+                              "train (only the confidence head would); set one above 0")
 
 
 class MarkovHead(nn.Module):

@@ -71,6 +71,9 @@ class LiLiCorrSettings:
         for name in ("mlp_ratio", "logit_scale"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"lilicorr.{name} must be > 0, got {getattr(self, name)}")
+        if width and int(width * self.mlp_ratio) < 1:  # the MLP's width is int(Hh * mlp_ratio)
+            raise ConfigError(f"lilicorr.mlp_ratio must be >= 1/Hh = {1 / width:.4g} (Hh {width}: a lattice MLP of at "
+                              f"least one unit), got {self.mlp_ratio}")
         if not 0 < self.vector_eps < 0.5:
             raise ConfigError(f"lilicorr.vector_eps must be in (0, 0.5), got {self.vector_eps}")
         for name in ("ce_weight", "margin_weight", "penalty_weight"):

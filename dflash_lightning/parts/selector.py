@@ -37,7 +37,8 @@ class SelectorSettings:
         if self.rank < 1:
             raise ConfigError(f"selector.rank must be >= 1, got {self.rank}")
         if not 2 <= self.top_k <= (config.vocab_size or self.top_k):
-            raise ConfigError(f"selector.top_k must be in 2..vocab_size ({config.vocab_size}), got {self.top_k}")
+            vocab = f" ({config.vocab_size})" if config.vocab_size else ""
+            raise ConfigError(f"selector.top_k must be in 2..vocab_size{vocab}, got {self.top_k}")
         if not self.loss_weight >= 0:
             raise ConfigError(f"selector.loss_weight must be >= 0, got {self.loss_weight}")
 
