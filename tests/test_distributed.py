@@ -112,7 +112,8 @@ def test_two_process_ddp_fit_through_the_cli(tmp_path, placement, variant):
     root = Path(__file__).parents[1]
     cmd = [sys.executable, "-m", "dflash_lightning", "fit", "--config", "configs/tiny.yaml",
            "--trainer.strategy=ddp", "--trainer.devices=2", "--trainer.max_steps=3", "--model.metrics_every=1",
-           "--trainer.log_every_n_steps=1", f"--target.placement={placement}", "--target.target_devices=[cpu,cpu]",
+           "--trainer.log_every_n_steps=1", f"--target.placement={placement}",
+           *(["--target.target_devices=[cpu,cpu]"] if placement == "separate" else []),  # read by 'separate' only
            f"--trainer.default_root_dir={tmp_path}", "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
            f"--trainer.logger.save_dir={tmp_path}", "--trainer.callbacks=[]", "--spec_eval.every_n_steps=0",
            *VARIANT_ARGS[variant]]
