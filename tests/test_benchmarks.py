@@ -8,7 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).parents[1]
+pytestmark = pytest.mark.pinned_only("tool")  # the benchmarks are ours to run, on the pinned set
 
 
 def test_scaling_bench_cpu_smoke_writes_one_json_line(tmp_path):

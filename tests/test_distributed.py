@@ -88,6 +88,7 @@ def test_sharded_target_gives_each_rank_the_features_of_its_own_batch(tiny_targe
     assert out[0][1] + out[1][1] == total
 
 
+DDP_FIT = "tests/test_distributed.py::test_two_process_ddp_fit_through_the_cli"
 # variants beside the tiny default's DFlash2: parts that read the target's final hidden state in both placements
 VARIANT_ARGS = {
     "dflash2": [],
@@ -98,7 +99,8 @@ VARIANT_ARGS = {
 
 
 @pytest.mark.parametrize(("placement", "variant"), [("sharded", "dflash2"), ("separate", "lilicorr-conv"),
-                                                    ("sharded", "dspark")])
+                                                    pytest.param("sharded", "dspark", marks=pytest.mark.pinned_only(
+                                                        same_path_as=f"{DDP_FIT}[sharded-dflash2]"))])
 def test_two_process_ddp_fit_through_the_cli(tmp_path, placement, variant):
     """`--trainer.strategy=ddp --trainer.devices=2` on the CPU (gloo) runs the tiny config to the end.
 
