@@ -22,13 +22,14 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 
 from dflash_lightning import lightning_compat as compat
-from dflash_lightning.blocks import anchor_seed, base_slot_weights, first_slot, select_anchors
+from dflash_lightning.blocks import anchor_seed, base_slot_weights, select_anchors
 from dflash_lightning.config import PART_SETTINGS, ConfigError, DrafterConfig, upgrade_record
 from dflash_lightning.fp8 import Recipe, convert_linears, require_fp8
 from dflash_lightning.long_runs import resume
 from dflash_lightning.loss import LossSettings
 from dflash_lightning.metrics import DraftMetrics
 from dflash_lightning.model import DFlashDrafter, DraftOutput
+from dflash_lightning.parts.base import RunSettings
 from dflash_lightning.target_model import load_target_config, load_target_io, tokenizer_ids
 
 BATCH_KEYS = ("input_ids", "position_ids", "doc_ids", "loss_mask")
@@ -160,10 +161,7 @@ class DFlashModule(LightningModule):
         if metrics_every < 1:
             raise ConfigError(f"metrics_every must be >= 1, got {metrics_every}")
         self.loss_settings = LossSettings(objective, loss_weights, dpace_alpha, temperature)
-        if cfg.preset.sample_from_anchor and (objective != "ce" or loss_weights != "decay"):
-            # section 12's loss is its own: the heads' L1 to the target's distribution, exp(-k/gamma) slot weights
-            raise ConfigError(f"model.drafter.variant '{cfg.variant}' trains with section 12's loss: set "
-                              f"model.objective=ce (not {objective}) and model.loss_weights=decay (not {loss_weights})")
+        self.check_parts()
         if init_from and not Path(init_from).exists():  # before any target or GPU work
             raise ConfigError(f"model.init_from: no drafter checkpoint or folder at '{init_from}'")
         if head_chunk_size < 1:
@@ -176,9 +174,8 @@ class DFlashModule(LightningModule):
             raise ConfigError(f"nonfinite must be skip or stop, got {nonfinite!r}")
         if max_nonfinite_in_a_row < 1:
             raise ConfigError(f"max_nonfinite_in_a_row must be >= 1, got {max_nonfinite_in_a_row}")
-        first = first_slot(cfg.preset.sample_from_anchor)
-        self.train_metrics = DraftMetrics(cfg.block_size, topk, first)
-        self.val_metrics = DraftMetrics(cfg.block_size, topk, first)
+        self.train_metrics = DraftMetrics(cfg.block_size, topk, cfg.layout)
+        self.val_metrics = DraftMetrics(cfg.block_size, topk, cfg.layout)
         # each part's own metrics (parts/base.py `Part.metric`), by the part's name
         self.train_part_metrics, self.val_part_metrics = (nn.ModuleDict(
             {p.name: m for p in cfg.preset.parts if (m := p.metric(cfg.block_size)) is not None}) for _ in range(2))
@@ -215,7 +212,7 @@ class DFlashModule(LightningModule):
         self.drafter.set_target_io(embed.to(dtype or embed.dtype), head.to(dtype or head.dtype))
         self.buffers_ = StepBuffers(
             hp.token_budget, cfg.num_context_layers * cfg.hidden_size,
-            base_slot_weights(cfg.block_size, hp.loss_weights, cfg.loss_gamma, cfg.preset.sample_from_anchor),
+            base_slot_weights(cfg.block_size, hp.loss_weights, cfg.loss_gamma, cfg.layout),
             cfg.hidden_size if self.needs_final_hidden else 0, dtype,
         )
         if hp.compile:
@@ -263,6 +260,15 @@ class DFlashModule(LightningModule):
             buf.features, buf.input_ids, buf.position_ids, buf.doc_ids, buf.loss_mask,
             anchors, valid, buf.slot_weights, topk, buf.final_hidden,
         )
+
+    def check_parts(self, total_steps: float | None = None) -> None:
+        """Each part of the preset checks the run's settings (`Part.check_run`): when the module is built, and with the
+        Trainer's total steps when fitting starts."""
+        cfg, loss = self.drafter_config, self.loss_settings
+        run = RunSettings(loss.objective, loss.loss_weights, cfg.loss_gamma, cfg.gamma is not None,
+                          self.needs_final_hidden, total_steps)
+        for part in cfg.preset.parts:
+            part.check_run(getattr(cfg, part.name), run)
 
     @property
     def needs_final_hidden(self) -> bool:
@@ -444,7 +450,9 @@ class DFlashModule(LightningModule):
             # fused (on the CPU too): one kernel per step on GPUs, and it skips non-finite steps on the device
             lr=hp.lr, betas=tuple(hp.betas), fused=True,
         )
-        total = max(1, int(self.trainer.estimated_stepping_batches))
+        estimate = self.trainer.estimated_stepping_batches
+        self.check_parts(float(estimate))
+        total = max(1, int(estimate))
         warmup = int(hp.warmup_ratio * total)
 
         def schedule(step: int) -> float:

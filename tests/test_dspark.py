@@ -17,7 +17,7 @@ from dflash_lightning.decoding.speculative import DraftContext, SpeculativeDecod
 from dflash_lightning.loss import LossSettings
 from dflash_lightning.model import DFlashDrafter
 from dflash_lightning.parts.base import DraftInputs
-from dflash_lightning.parts.dspark import DSparkHeads, DSparkSettings
+from dflash_lightning.parts.dspark import ANCHOR_FIRST, DSparkHeads, DSparkSettings
 
 V, H, B = 40, 32, 4
 DSPARK_LOSS = LossSettings("ce", "decay")  # what the module sets for the dspark variant (it refuses others)
@@ -54,8 +54,8 @@ def test_anchor_first_labels_positions_and_weights_against_a_plain_loop():
     mask[8] = False  # a hole: blocks across it stop counting there
     ids, docs = batch["input_ids"], batch["doc_ids"]
     anchors, valid = torch.tensor([2, 5, 10, 11, 14, 20]), torch.tensor([True] * 5 + [False])
-    weights = base_slot_weights(B, "decay", 4.0, sample_from_anchor=True)
-    labels, w = block_labels(ids, mask, docs, anchors, valid, weights, sample_from_anchor=True)
+    weights = base_slot_weights(B, "decay", 4.0, ANCHOR_FIRST)
+    labels, w = block_labels(ids, mask, docs, anchors, valid, weights, ANCHOR_FIRST)
     for a, p in enumerate(anchors.tolist()):
         alive = bool(valid[a])
         for k in range(B):
@@ -64,8 +64,9 @@ def test_anchor_first_labels_positions_and_weights_against_a_plain_loop():
             assert float(w[a, k]) == pytest.approx(torch.exp(torch.tensor(-k / 4.0)).item() if alive else 0.0), (a, k)
             if t < 24:
                 assert int(labels[a, k]) == int(ids[t]), (a, k)
-    assert label_positions(anchors, B, True).tolist() == [[p + k + 1 for k in range(B)] for p in anchors.tolist()]
-    assert teacher_positions(anchors, B, 24, True)[:, :3].tolist() == [[p, p + 1, p + 2] for p in anchors.tolist()]
+    starts = anchors.tolist()
+    assert label_positions(anchors, B, ANCHOR_FIRST).tolist() == [[p + k + 1 for k in range(B)] for p in starts]
+    assert teacher_positions(anchors, B, 24, ANCHOR_FIRST)[:, :3].tolist() == [[p, p + 1, p + 2] for p in starts]
     # section 3's block: slot k predicts p + k, slot 0 nothing
     labels3, w3 = block_labels(ids, batch["loss_mask"], docs, anchors, valid, base_slot_weights(B, "decay", 4.0))
     assert labels3[:, 1].tolist() == ids[anchors + 1].tolist() and (w3[:, 0] == 0).all()
@@ -127,7 +128,7 @@ def test_training_loss_and_gradients_match_the_dense_reference(weights, with_mar
     final = torch.randn(24, H, dtype=torch.float64)
     anchors, valid = select_anchors(mask, batch["doc_ids"], 6, torch.Generator().manual_seed(0))
     out = drafter(features, batch["input_ids"], batch["position_ids"], batch["doc_ids"], mask, anchors, valid,
-                  base_slot_weights(B, "decay", 4.0, True).double(), topk=3, final_hidden=final)
+                  base_slot_weights(B, "decay", 4.0, ANCHOR_FIRST).double(), topk=3, final_hidden=final)
     params = [p for p in drafter.parameters()]
     grads = torch.autograd.grad(out.loss, params, allow_unused=True)
     ref = dense_dspark_loss(drafter, features, batch, anchors, valid, final, mask)
@@ -147,7 +148,7 @@ def test_module_step_logs_and_metrics():
     anchors, valid = select_anchors(batch["loss_mask"], batch["doc_ids"], 6, torch.Generator().manual_seed(0))
     out = drafter(torch.randn(24, 3 * H, dtype=torch.float64), batch["input_ids"], batch["position_ids"],
                   batch["doc_ids"], batch["loss_mask"], anchors, valid,
-                  base_slot_weights(B, "decay", 4.0, True).double(), topk=3,
+                  base_slot_weights(B, "decay", 4.0, ANCHOR_FIRST).double(), topk=3,
                   final_hidden=torch.randn(24, H, dtype=torch.float64))
     rows = out.parts["dspark_heads"].rows  # [A, B, 3]
     metric = DSparkHeads.metric(B)
@@ -240,7 +241,7 @@ def test_decoder_drafts_are_the_training_forward_over_whole_blocks(target):
         with torch.no_grad():
             out = drafter(feats, ids, torch.arange(T), torch.zeros(T, dtype=torch.int32),
                           torch.ones(T, dtype=torch.bool), torch.tensor([prompt_len]), torch.tensor([True]),
-                          base_slot_weights(B, "decay", 4.0, True).double(), topk=1,
+                          base_slot_weights(B, "decay", 4.0, ANCHOR_FIRST).double(), topk=1,
                           final_hidden=torch.randn(T, drafter.config.hidden_size, dtype=torch.float64))
         assert out.labels[0].tolist() == drafts.tolist()
         assert out.topk[0, :, 0].tolist() == drafts.tolist(), prompt_len
@@ -512,10 +513,8 @@ def test_the_heads_refuse_to_share_the_head_loop(monkeypatch):
     from dflash_lightning.parts.selector import CandidateSelector, SelectorSettings
 
     row = presets.PRESETS["dspark"]
-    monkeypatch.setitem(presets.PRESETS, "dspark", presets.Preset((CandidateSelector, DSparkHeads), row.architecture,
-                                                                  sample_from_anchor=True))
+    monkeypatch.setitem(presets.PRESETS, "dspark", presets.Preset((CandidateSelector, DSparkHeads), row.architecture))
     with pytest.raises(ValueError, match="cannot share the head loop with CandidateSelector"):
         DFlashDrafter(dspark_config(selector=SelectorSettings(rank=4, top_k=5)))
-    monkeypatch.setitem(presets.PRESETS, "dspark", presets.Preset((BlockConvolutions, DSparkHeads), row.architecture,
-                                                                  sample_from_anchor=True))
+    monkeypatch.setitem(presets.PRESETS, "dspark", presets.Preset((BlockConvolutions, DSparkHeads), row.architecture))
     DFlashDrafter(dspark_config(conv=ConvSettings(group_size=8)))

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from dflash_lightning.blocks import first_slot, window_rule
+from dflash_lightning.blocks import window_rule
 from dflash_lightning.hf.modeling_dflash import accepted_length, check_sampling, next_token, verify_drafts
 from dflash_lightning.model import DFlashDrafter
 from dflash_lightning.parts.base import DraftInputs
@@ -136,9 +136,10 @@ class SpeculativeDecoder:
         self.layer_ids = list(layer_ids if layer_ids is not None else cfg.target_layer_ids)
         self.mask_token_id = mask_token_id if mask_token_id is not None else cfg.mask_token_id
         self.block_size = block_size or cfg.block_size
-        self.first = first_slot(cfg.preset.sample_from_anchor)  # the first slot that drafts (0: anchor-first)
-        self.drafts = self.block_size - self.first
-        """Drafts per block: B - 1, or B in an anchor-first block (docs/method.md section 12)."""
+        self.draft_slots = cfg.layout.draft_slots(self.block_size)
+        """The slots whose predictions are drafted (`BlockLayout.draft_slots`)."""
+        self.drafts = cfg.layout.drafts(self.block_size)
+        """Drafts per block: B - 1, or B in DSpark's anchor-first block (docs/method.md section 12)."""
         self.cache_arg = _cache_arg(target_model)
         self.last_confidence: Tensor | None = None
         if drafter.embed_weight is None:  # an in-memory drafter without its IO: take the target's own
@@ -165,7 +166,7 @@ class SpeculativeDecoder:
         """
         block = torch.full((self.block_size,), self.mask_token_id, dtype=torch.long, device=x.device)
         block[0] = x
-        hidden = context.block_hidden(block, start)[self.first:]  # [drafts, H]
+        hidden = context.block_hidden(block, start)[self.draft_slots]  # [drafts, H]
         logits = self.drafter.logits(hidden)
         rule = next((part for part in self.drafter.parts if part.decodes), None)
         if rule is None:

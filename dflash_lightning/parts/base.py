@@ -29,6 +29,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
+from dflash_lightning.blocks import FILL_IN, BlockLayout
 from dflash_lightning.errors import ConfigError
 
 
@@ -53,25 +54,32 @@ class TrainInputs:
     labels: Tensor
     """Target token of every slot.  # [A, B]"""
     supervised: Tensor
-    """Slots that count (a valid anchor, slot >= 1 or anchor-first a prefix from slot 0, label in the loss mask and
-    the anchor's document).  # [A, B]"""
+    """Slots that count (a valid anchor, a slot that predicts, anchor-first only a prefix, label in the loss mask
+    and the anchor's document).  # [A, B]"""
     before: Tensor
-    """Index in the batch of the token before each slot (slot 1: the anchor), where the target's state that
-    predicts the slot sits: `final_hidden[before]` is the teacher row of the slot.  # [A, B]"""
+    """Index in the batch of the token before each slot's label (`blocks.teacher_positions`; fill-in slot 1: the
+    anchor), where the target's state that predicts the label sits: `final_hidden[before]` is the slot's teacher
+    row.  # [A, B]"""
     final_hidden: Tensor | None
     """The target's final normed hidden states (None unless some part or the objective needs them).  # [T, H]"""
     embed_weight: Tensor
     """The target's input embedding, frozen.  # [V, H]"""
     head_weight: Tensor
     """The target's output head, frozen (full precision even when the loss's head runs in FP8).  # [V, H]"""
-    first_slot: int = 1
-    """The first slot that predicts a token (`blocks.first_slot`): 1, or 0 in an anchor-first block (section 12);
-    the head loop's rows are slots `first_slot..B-1` of every block."""
+    layout: BlockLayout = FILL_IN
+    """The block layout (`blocks.BlockLayout`): which position each slot predicts; the head loop's rows are slots
+    `layout.first_slot..B-1` of every block."""
+
+    @property
+    def first_slot(self) -> int:
+        """The first slot that predicts a token: 1, anchor-first 0 (`BlockLayout.first_slot`)."""
+        return self.layout.first_slot
 
 
 @dataclass
 class HeadChunk:
-    """One chunk of rows inside the chunked head loop (loss.py): rows are slots first_slot..B-1 of whole blocks."""
+    """One chunk of rows inside the chunked head loop (loss.py): rows are the trained slots (`first_slot..B-1`) of
+    whole blocks."""
 
     start: int
     """First row of the chunk; rows `start:end` of every per-row tensor of the step."""
@@ -144,7 +152,8 @@ class DraftInputs:
     """What a part's drafting rule sees of one block being drafted (serving, evaluate, spec_eval)."""
 
     hidden: Tensor
-    """The backbone's output after `norm` for the drafting slots, 1..B-1 (anchor-first 0..B-1).  # [n, H]"""
+    """The backbone's output after `norm` for the drafting slots (`BlockLayout.draft_slots`: 1..B-1, DSpark's
+    0..B-1, Domino's 0..B-2).  # [n, H]"""
     logits: Tensor
     """Their unary logits through the target's head.  # [n, V]"""
     first_prev: Tensor
@@ -157,6 +166,26 @@ class DraftInputs:
     """0: greedy; above: sample from the part's q."""
     generator: torch.Generator | None
     """The random stream of sampling."""
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """What a part's `check_run` sees of the run that trains it."""
+
+    objective: str
+    """`model.objective`: ce, kl or ce+kl (docs/method.md 4c)."""
+    loss_weights: str
+    """`model.loss_weights`: decay or dpace (section 4b)."""
+    gamma: float
+    """The slot weights' decay gamma as the run uses it (`model.drafter.gamma`, else the block layout's default)."""
+    gamma_set: bool
+    """Whether `model.drafter.gamma` was set (false: the layout's default)."""
+    final_hidden: bool
+    """Whether every batch carries the target's final hidden states (the objective distills, or a part
+    `needs_final_hidden`): what the target must provide beside the context features."""
+    total_steps: float | None = None
+    """The run's optimizer steps: None while the module is built (no Trainer yet); when fitting starts, the
+    Trainer's total (`math.inf` where the run has no end)."""
 
 
 class Part(nn.Module):
@@ -176,6 +205,9 @@ class Part(nn.Module):
     changes_backbone: ClassVar[bool] = False
     """Whether the part changes the backbone's hidden states (block convolutions): a drafter trained with it is
     never warm-started without it."""
+    layout: ClassVar[BlockLayout | None] = None
+    """The block layout the part needs (DSpark: anchor-first); None: any, the preset's is section 3's unless
+    another of its parts names one (`Preset.layout`; two parts naming different layouts cannot share a preset)."""
     fp8_exempt: ClassVar[bool] = False
     """Whether the part's linears stay out of FP8 training (`model.fp8=all`): those whose weights the loss reads by
     hand (`head_params`)."""
@@ -195,6 +227,13 @@ class Part(nn.Module):
         """`config` is the resolved DrafterConfig; the part's settings are `getattr(config, self.name)`."""
         super().__init__()
         self.settings = getattr(config, self.name)
+
+    # --- the run's settings
+    @classmethod
+    def check_run(cls, settings: Any, run: RunSettings) -> None:
+        """Refuse, in one ConfigError line naming the field, run settings the part cannot train with (its own are
+        checked by `settings.check`). Called when the module is built (`run.total_steps` None) and again when
+        fitting starts, with the Trainer's total. Nothing by default."""
 
     # --- parameters and weight names
     @classmethod
@@ -266,13 +305,15 @@ class Part(nn.Module):
 
     # --- export and import
     @classmethod
-    def export_fields(cls, settings: Any) -> dict[str, Any]:
-        """The `dflash_config` fields of a folder with this part."""
+    def export_fields(cls, settings: Any, config: Any = None) -> dict[str, Any]:
+        """The `dflash_config` fields of a folder with this part (`config`: the drafter's resolved DrafterConfig,
+        for fields such as the block size that are not the part's settings)."""
         return {key: getattr(settings, name) for key, name in cls.config_fields.items()}
 
     @classmethod
-    def top_level_fields(cls, settings: Any) -> dict[str, Any]:
-        """config.json fields outside `dflash_config` (DSpark's engines read some there); none by default."""
+    def top_level_fields(cls, settings: Any, config: Any = None) -> dict[str, Any]:
+        """config.json fields outside `dflash_config` (DSpark's engines read theirs there, its block layout's
+        `sample_from_anchor` too), from the part's settings and the drafter's `config`; none by default."""
         return {}
 
     @classmethod
@@ -298,4 +339,5 @@ class Part(nn.Module):
         return cls.settings_type(**values)
 
 
-__all__ = ["ChunkResult", "DraftInputs", "HeadChunk", "HeadOutput", "Part", "PartOutput", "TrainInputs"]
+__all__ = ["ChunkResult", "DraftInputs", "HeadChunk", "HeadOutput", "Part", "PartOutput", "RunSettings",
+           "TrainInputs"]

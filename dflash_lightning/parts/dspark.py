@@ -1,5 +1,5 @@
 """DSpark's heads (docs/method.md section 12): a Markov head on the logits and a confidence head for adaptive
-verification, on an anchor-first block (every slot k predicts p + k + 1; the layout is `blocks`' rule).
+verification, on an anchor-first block (every slot k predicts p + k + 1: `ANCHOR_FIRST`, read by `blocks`' rules).
 
 `z_k = head(h_k) + markov_w2(markov_w1[prev_k])`, `c_k = sigmoid(proj([h_k; markov_w1[prev_k]]))`. Training is
 teacher-forced (prev_k the true token at p + k) inside the chunked head loop: 0.1 CE + 0.9 L1 to the target's
@@ -17,11 +17,24 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torchmetrics import Metric
 
+from dflash_lightning.blocks import BlockLayout
 from dflash_lightning.errors import ConfigError
-from dflash_lightning.parts.base import ChunkResult, DraftInputs, HeadChunk, HeadOutput, Part, PartOutput, TrainInputs
+from dflash_lightning.parts.base import (
+    ChunkResult,
+    DraftInputs,
+    HeadChunk,
+    HeadOutput,
+    Part,
+    PartOutput,
+    RunSettings,
+    TrainInputs,
+)
 
 ECE_BINS = 10
 """Equal-width confidence bins of the expected calibration error."""
+ANCHOR_FIRST = BlockLayout(anchor_first=True, gamma=4.0)
+"""Section 12's block: every slot k = 0..B-1 predicts p + k + 1 and drafts (B drafts a block); w_k = exp(-k / 4)
+unless gamma is set (DeepSpec's loss_decay_gamma)."""
 
 
 @dataclass
@@ -78,13 +91,14 @@ class ConfidenceHead(nn.Module):
 
 class DSparkHeads(Part):
     """DSpark's Markov and confidence heads, placed as the engines name them (`markov_head.*`,
-    `confidence_head.*`); the preset that has them sets `sample_from_anchor`."""
+    `confidence_head.*`), on section 12's anchor-first block."""
 
     name = "dspark_heads"
     settings_type = DSparkSettings
     config_fields: ClassVar[dict[str, str]] = {}
     """DSpark's fields live at config.json's top level (`top_level_fields`), where vLLM reads markov_rank."""
     weight_prefix = None
+    layout = ANCHOR_FIRST
     # fp8_exempt stays false: the heads' weights are only ever read by hand (F.linear on `.weight`), never through
     # their modules' forward, so an FP8 training linear in their place computes nothing differently.
     needs_final_hidden = True
@@ -111,6 +125,15 @@ class DSparkHeads(Part):
 
     def owns(self, key: str) -> bool:
         return key.startswith(("markov_head.", "confidence_head."))
+
+    @classmethod
+    def check_run(cls, settings: DSparkSettings, run: RunSettings) -> None:
+        """Section 12's loss is its own: the heads' L1 to the target's distribution (no distillation objective
+        beside it) over exp(-k / gamma) slot weights (no D-PACE)."""
+        if run.objective != "ce" or run.loss_weights != "decay":
+            raise ConfigError(f"model.objective={run.objective}, model.loss_weights={run.loss_weights}: DSpark's heads "
+                              f"(model.drafter.dspark_heads) train with section 12's loss: set model.objective=ce and "
+                              f"model.loss_weights=decay")
 
     def reset_parameters(self, std: float = 0.02) -> None:
         """DeepSpec's init: normal(0, 0.02) weights, a zero bias."""
@@ -225,12 +248,14 @@ class DSparkHeads(Part):
 
     # --- export and import: config.json's top level (section 12)
     @classmethod
-    def top_level_fields(cls, settings: DSparkSettings) -> dict[str, Any]:
-        """All written: vLLM reads markov_rank only here and builds the confidence head only with
-        enable_confidence_head; SGLang requires markov_head_type; the engines' defaults of
-        confidence_head_with_markov disagree (vLLM false, SGLang true)."""
-        return {"markov_rank": settings.markov_rank, "markov_head_type": "vanilla", "enable_confidence_head": True,
-                "confidence_head_with_markov": settings.confidence_with_markov}
+    def top_level_fields(cls, settings: DSparkSettings, config: Any = None) -> dict[str, Any]:
+        """All written: the engines read the MASK id and layer ids here too, vLLM reads markov_rank only here and
+        builds the confidence head only with enable_confidence_head; SGLang requires markov_head_type; the
+        engines' defaults of confidence_head_with_markov disagree (vLLM false, SGLang true); and the block layout,
+        which vLLM and SGLang read as anchor-first when missing and llama.cpp as fill-in, is always stated."""
+        return {"mask_token_id": config.mask_token_id, "target_layer_ids": list(config.target_layer_ids),
+                "sample_from_anchor": True, "markov_rank": settings.markov_rank, "markov_head_type": "vanilla",
+                "enable_confidence_head": True, "confidence_head_with_markov": settings.confidence_with_markov}
 
     @classmethod
     def present_fields(cls, dflash: dict[str, Any]) -> list[str]:

@@ -399,7 +399,7 @@ class LiLiCorrReranker(Part):
 
     # --- export and import
     @classmethod
-    def export_fields(cls, settings: LiLiCorrSettings) -> dict[str, Any]:
+    def export_fields(cls, settings: LiLiCorrSettings, config: Any = None) -> dict[str, Any]:
         """`lilicorr_enabled: true` and the eight geometry fields (floats as floats: the engines cast, ModelOpt and
         the engines' configs write them so)."""
         out: dict[str, Any] = {"lilicorr_enabled": True}
