@@ -557,7 +557,14 @@ def warm_start(drafter: DFlashDrafter, path: str) -> None:
     extra = [k for k in missing if not any(p.owns(k) for p in fresh)]
     if unexpected or extra:
         raise ConfigError(f"model.init_from '{path}': unexpected keys {unexpected}, missing {extra}")
+    # the backbone's weights fit either layout; that its slots were trained to predict other positions is said
+    words = {False: "fill-in", True: "anchor-first"}
+    theirs_first, mine_first = cfg.layout.anchor_first, mine.layout.anchor_first
+    relayout = "" if theirs_first == mine_first else (
+        f"; its backbone was trained on {words[theirs_first]} blocks, this run's are {words[mine_first]}")
     if dropped:
         rank_zero_info(f"model.init_from '{path}': the {cfg.variant} drafter's "
                        f"{', '.join(p.name for p in only_theirs)} weights are not used by this "
-                       f"{mine.variant} run ({len(dropped)} tensors)")
+                       f"{mine.variant} run ({len(dropped)} tensors){relayout}")
+    elif relayout:
+        rank_zero_info(f"model.init_from '{path}': a {cfg.variant} drafter starts this {mine.variant} run{relayout}")

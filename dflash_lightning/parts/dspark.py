@@ -123,7 +123,8 @@ class DSparkHeads(Part):
         drafter.add_module("markov_head", self.markov_head)
         drafter.add_module("confidence_head", self.confidence_head)
 
-    def owns(self, key: str) -> bool:
+    @classmethod
+    def owns(cls, key: str) -> bool:
         return key.startswith(("markov_head.", "confidence_head."))
 
     @classmethod
