@@ -180,14 +180,14 @@ def test_greedy_and_sampled_drafts_against_a_plain_reference():
     proj = drafter.confidence_head.proj
     for temperature in (0.0, 0.7):
         g = torch.Generator().manual_seed(1)
-        tokens, q = part.draft(DraftInputs(hidden, logits, torch.tensor(7), None, drafter.embed_weight, temperature,
-                                           g))
+        drafted = part.draft(DraftInputs(hidden, logits, torch.tensor(7), None, drafter.embed_weight, temperature, g))
+        tokens, q, conf = drafted.tokens, drafted.q, drafted.extras["confidence"]
         g = torch.Generator().manual_seed(1)
         prev = 7
         for k in range(B):
             z = logits[k] + w2 @ w1[prev]
             logit = proj.weight[0] @ torch.cat([hidden[k], w1[prev]]) + proj.bias[0]
-            torch.testing.assert_close(part.last_confidence[k].double(), torch.sigmoid(logit), rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(conf[k].double(), torch.sigmoid(logit), rtol=1e-5, atol=1e-6)
             if temperature:
                 probs = torch.softmax(z / temperature, -1).float()
                 torch.testing.assert_close(q[k], probs)
@@ -233,8 +233,8 @@ def test_decoder_drafts_are_the_training_forward_over_whole_blocks(target):
         features = torch.cat([states[j + 1][0] for j in decoder.layer_ids], -1)
         context = DraftContext(drafter)
         context.extend(features[:prompt_len], torch.arange(prompt_len))
-        drafts, _ = decoder.draft(context, x, prompt_len)
-        conf = drafter.parts[0].last_confidence
+        drafted = decoder.draft(context, x, prompt_len)
+        drafts, conf = drafted.tokens, drafted.extras["confidence"]
         ids = torch.cat([ids0, drafts])  # [P + 1 + B]
         T = ids.numel()
         feats = torch.cat([features, torch.zeros(B, features.shape[1], dtype=features.dtype)])
@@ -265,15 +265,16 @@ def test_greedy_dspark_decoding_is_lossless(target, block_size):
                                                                                        2 if i % 2 else None)
         assert spec.tokens == base.tokens, i
         assert all(0 <= a <= block_size for a in spec.accepted_lengths)
-        assert [len(c) for c in spec.confidences] == [block_size] * spec.steps  # c of every step's B drafts
+        assert [len(c) for c in spec.extras.get("confidence", [])] == [block_size] * spec.steps  # B drafts' c a step
 
 
 def test_adaptive_verification_report_by_hand():
     """Two served steps: what each survival threshold verifies and accepts, and the calibration of c_k on the drafts
     reached (the drafts before them accepted), counted by hand."""
-    from dflash_lightning.decoding.evaluate import adaptive_verification
+    from dflash_lightning.parts.dspark import adaptive_verification
 
-    records = [{"accepted_lengths": [2, 0], "confidences": [[0.9, 0.8, 0.5, 0.2], [0.4, 0.9, 0.9, 0.9]]}]
+    records = [{"accepted_lengths": [2, 0], "extras": {"confidence": [[0.9, 0.8, 0.5, 0.2], [0.4, 0.9, 0.9, 0.9]]}},
+               {"accepted_lengths": [3], "extras": {}}]  # a record without confidences counts no step
     report = adaptive_verification(records, thresholds=(0.3, 0.5))
     # survival: 0.9, 0.72, 0.36, 0.072 and 0.4, 0.36, 0.324, 0.2916
     assert report["all"] == {"verified_per_step": 4.0, "accepted_per_step": 1.0}

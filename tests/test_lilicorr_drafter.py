@@ -46,9 +46,9 @@ class WalkRecorder(SpeculativeDecoder):
         self.steps: list[tuple[int, list[int]]] = []
 
     def draft(self, context, x, start, *sampling):
-        drafts, q = super().draft(context, x, start, *sampling)
-        self.steps.append((start, drafts.tolist()))
-        return drafts, q
+        drafted = super().draft(context, x, start, *sampling)
+        self.steps.append((start, drafted.tokens.tolist()))
+        return drafted
 
 
 def test_the_decoders_walk_is_the_training_lattices_over_a_whole_prefix(target):  # noqa: F811

@@ -14,6 +14,7 @@ from dflash_lightning.config import DrafterConfig
 from dflash_lightning.decoding.speculative import DraftContext, SpeculativeDecoder, accepted_length, target_generate
 from dflash_lightning.hf.modeling_dflash import sampling_probs, verify_drafts
 from dflash_lightning.model import DFlashDrafter
+from dflash_lightning.parts.base import Draft
 from dflash_lightning.parts.convolutions import ConvSettings
 from dflash_lightning.parts.dspark import DSparkSettings
 from dflash_lightning.parts.lilicorr import LiLiCorrSettings
@@ -86,7 +87,7 @@ class OracleDecoder(SpeculativeDecoder):
         wrong = self.first_wrong_slot()
         # the decoder verifies only the drafts still wanted: len(truth) - (k + 1) tokens are left
         self.expected.append(min(wrong - 1, min(self.block_size, len(self.truth) - k - 1) - 1))
-        return torch.where(torch.arange(1, self.block_size, device=x.device) < wrong, right, (right + 1) % 50), None
+        return Draft(torch.where(torch.arange(1, self.block_size, device=x.device) < wrong, right, (right + 1) % 50))
 
 
 @pytest.mark.parametrize("block_size", [4, 16])
@@ -171,7 +172,7 @@ class RecordingDecoder(OracleDecoder):
     def draft(self, context, x, start, *sampling):
         block = torch.full((self.block_size,), self.mask_token_id, dtype=torch.long)
         block[0] = x
-        self.steps.append((start, int(x), self.drafter.logits(context.block_hidden(block, start)[self.first:])))
+        self.steps.append((start, int(x), self.drafter.logits(context.block_hidden(block, start)[self.draft_slots])))
         if self.own:
             return SpeculativeDecoder.draft(self, context, x, start, *sampling)
         return super().draft(context, x, start, *sampling)
@@ -189,7 +190,7 @@ def assert_drafts_are_the_training_forwards(decoder: RecordingDecoder, prompt: t
     hidden = decoder.drafter.block_hidden(features, ids, torch.arange(ids.numel()), torch.zeros_like(ids),
                                           starts, torch.ones_like(starts, dtype=torch.bool))  # [steps, B, H]
     torch.testing.assert_close(torch.stack([logits for _, _, logits in decoder.steps]),
-                               decoder.drafter.logits(hidden[:, decoder.first:]), rtol=1e-4, atol=1e-4)
+                               decoder.drafter.logits(hidden[:, decoder.draft_slots]), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("attention", [{}, SLIDING, {**SLIDING, "is_causal": False}, {**SLIDING, **DFLASH2}],
@@ -315,7 +316,7 @@ class TableDecoder(SpeculativeDecoder):
 
     def draft(self, context, x, start, *sampling):
         super().draft(context, x, start, *sampling)
-        return torch.tensor(self.table[int(x)], device=x.device), None
+        return Draft(torch.tensor(self.table[int(x)], device=x.device))
 
 
 @pytest.mark.parametrize("drafting", ["table", "sliding", "dflash2", "lilicorr", "dspark"])

@@ -168,6 +168,21 @@ class DraftInputs:
     """The random stream of sampling."""
 
 
+@dataclass
+class Draft:
+    """What drafting one block returns (`Part.draft`, `SpeculativeDecoder.draft`): what was drafted, never state a
+    caller reads off the drafter afterwards."""
+
+    tokens: Tensor
+    """The drafts, in slot order.  # [n]"""
+    q: Tensor | None = None
+    """The draft distribution each draft was sampled from, which verification uses (docs/method.md 6b, 10); None:
+    point masses (greedy, or a rule that samples none).  # [n, V]"""
+    extras: dict[str, Tensor] = field(default_factory=dict)
+    """A part's own values of each draft (DSpark: `{"confidence": c_k}`): `Generation.extras` records them per
+    step, and the part's `served_report` reads them.  # [n] each"""
+
+
 @dataclass(frozen=True)
 class RunSettings:
     """What a part's `check_run` sees of the run that trains it."""
@@ -219,9 +234,6 @@ class Part(nn.Module):
     """How many per-row tensors `head_chunk` returns in `ChunkResult.rows`."""
     top_k: int = 0
     """Unary candidates per row the part reads from the head loop (`HeadChunk.top_ids`); 0: none."""
-    last_confidence: Tensor | None = None
-    """A confidence head's c_k of each draft of the block `draft` last drafted (DSpark, docs/method.md 12): what an
-    engine's adaptive verification ranks by; None: the part has none."""
 
     def __init__(self, config: Any) -> None:
         """`config` is the resolved DrafterConfig; the part's settings are `getattr(config, self.name)`."""
@@ -298,10 +310,18 @@ class Part(nn.Module):
         return None
 
     # --- decoding
-    def draft(self, inputs: DraftInputs) -> tuple[Tensor, Tensor | None]:
-        """Draft tokens of the drafting slots `[n]` and, when sampled, their draft distributions q `[n, V]` (None:
-        point masses), verified with q (docs/method.md 6b and 10). Only for parts with `decodes = True`."""
+    def draft(self, inputs: DraftInputs) -> Draft:
+        """The drafts of the drafting slots, their draft distributions q when sampled (verified with q,
+        docs/method.md 6b and 10) and the part's extras. Only for parts with `decodes = True`."""
         raise NotImplementedError
+
+    # --- the served report
+    @classmethod
+    def served_report(cls, records: list[dict[str, Any]]) -> dict[str, Any]:
+        """Keys the part adds to `evaluate`'s report of one temperature, from its served records (per prompt:
+        `accepted_lengths`, the accepted drafts of each step; `extras`, `{name: one list per step}` of the part's
+        `Draft.extras`; `step_tokens`, `expected_accepted`, ...); nothing by default."""
+        return {}
 
     # --- export and import
     @classmethod
@@ -339,5 +359,5 @@ class Part(nn.Module):
         return cls.settings_type(**values)
 
 
-__all__ = ["ChunkResult", "DraftInputs", "HeadChunk", "HeadOutput", "Part", "PartOutput", "RunSettings",
+__all__ = ["ChunkResult", "Draft", "DraftInputs", "HeadChunk", "HeadOutput", "Part", "PartOutput", "RunSettings",
            "TrainInputs"]
