@@ -14,24 +14,20 @@ from dflash_lightning.errors import ConfigError
 from dflash_lightning.parts.convolutions import ConvSettings
 from dflash_lightning.parts.dspark import DSparkSettings
 from dflash_lightning.parts.lilicorr import LiLiCorrSettings
-from dflash_lightning.parts.presets import DEFAULT_VARIANT, PRESETS, Preset, preset
+from dflash_lightning.parts.presets import ALL_PARTS, DEFAULT_VARIANT, PRESETS, Preset, preset
 from dflash_lightning.parts.selector import SelectorSettings
 
 # Attention types of a drafter layer, named as config.json's `layer_types` names them (docs/method.md section 3b).
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # Drafter variants: the presets of parts (parts/presets.py).
 VARIANTS = tuple(PRESETS)
-# Flat fields of drafter configs written before parts had their own settings -> their place now.
-LEGACY_FIELDS = {
-    "conv_kernel_size": ("conv", "kernel_size"), "conv_group_size": ("conv", "group_size"),
-    "selector_rank": ("selector", "rank"), "selector_top_k": ("selector", "top_k"),
-}
-# Run-record keys of those (and of the selector's loss weight, once a module argument) -> their keys now.
+# Settings field -> its dataclass: each part's, nested under the drafter's config (one DrafterConfig field each).
+PART_SETTINGS = {part.name: part.settings_type for part in ALL_PARTS}
+# Flat fields of drafter configs written before parts had their own settings -> their place now (`Part.legacy_fields`).
+LEGACY_FIELDS = {old: (part.name, new) for part in ALL_PARTS for old, new in part.legacy_fields.items()}
+# Run-record keys of those (and of other older keys, `Part.legacy_record`) -> their keys now.
 LEGACY_RECORD = {f"drafter.{old}": f"drafter.{part}.{name}" for old, (part, name) in LEGACY_FIELDS.items()} | {
-    "model.selector_alpha": "drafter.selector.loss_weight"}
-# Settings field -> its dataclass: each part's, nested under the drafter's config.
-PART_SETTINGS = {"conv": ConvSettings, "selector": SelectorSettings, "lilicorr": LiLiCorrSettings,
-                 "dspark_heads": DSparkSettings}
+    old: f"drafter.{part.name}.{new}" for part in ALL_PARTS for old, new in part.legacy_record.items()}
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:

@@ -211,6 +211,11 @@ class Part(nn.Module):
     """The `DrafterConfig` field holding this part's settings (`model.drafter.<name>.*`)."""
     settings_type: ClassVar[type]
     """The part's settings dataclass."""
+    legacy_fields: ClassVar[dict[str, str]] = {}
+    """Flat DrafterConfig fields of checkpoints written before parts had their own settings -> the settings field
+    now (`config.upgrade_fields`)."""
+    legacy_record: ClassVar[dict[str, str]] = {}
+    """Other run-record keys of older checkpoints -> the settings field now (`config.upgrade_record`)."""
     config_fields: ClassVar[dict[str, str]] = {}
     """dflash_config key -> settings field, in the order export writes them; the other settings fields are
     training choices (loss weights) a folder does not carry."""

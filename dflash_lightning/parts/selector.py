@@ -56,6 +56,8 @@ class CandidateSelector(Part):
 
     name = "selector"
     settings_type = SelectorSettings
+    legacy_fields: ClassVar[dict[str, str]] = {"selector_rank": "rank", "selector_top_k": "top_k"}
+    legacy_record: ClassVar[dict[str, str]] = {"model.selector_alpha": "loss_weight"}  # once a module argument
     config_fields: ClassVar[dict[str, str]] = {"selector_rank": "rank", "selector_top_k": "top_k"}
     weight_prefix = "candidate_selector"
     decodes = True
