@@ -166,13 +166,14 @@ class SpeculativeDecoder:
         """
         block = torch.full((self.block_size,), self.mask_token_id, dtype=torch.long, device=x.device)
         block[0] = x
-        hidden = context.block_hidden(block, start)[self.draft_slots]  # [drafts, H]
+        block_hidden = context.block_hidden(block, start)  # [B, H]
+        hidden = block_hidden[self.draft_slots]  # [drafts, H]
         logits = self.drafter.logits(hidden)
         rule = next((part for part in self.drafter.parts if part.decodes), None)
         if rule is None:
             return Draft(logits.argmax(-1))
         return rule.draft(DraftInputs(hidden, logits, x, context.last_context, self.drafter.embed_weight,
-                                      temperature, generator))
+                                      temperature, generator, block_hidden))
 
     @torch.no_grad()
     def generate(

@@ -1,24 +1,31 @@
-"""What a drafter part is, and how the drafter, the loss, the metrics, the decoder, export and import call it.
+"""What a drafter part is, and how the drafter, the loss, the metrics, the decoder, evaluate, export and import call it.
 
 A drafter is the DFlash backbone (docs/method.md sections 2-9) plus the parts its preset names
-(`parts/presets.py`, the only place that names a variant). A part is one module that owns its settings, its
-parameters and weight names, its training term, its metrics, its drafting rule and its export fields; the
-backbone calls it through the hooks below and never asks which part it is.
+(`parts/presets.py`, the only place that names a variant). A part is one module that owns its settings and the run
+settings it accepts, its block layout, its parameters and weight names, its training term, its metrics, its
+drafting rule, its served report and its export fields; the backbone calls it through the hooks below and never
+asks which part it is (docs/parts.md tabulates them).
 
 How a new part plugs in:
-1. `parts/<name>.py`: a settings dataclass (plain fields, a one-line docstring under each; shape fields and
-   loss weights) with `check(config)`, and a `Part` subclass naming it in `settings_type`, its `name` (the
+1. `parts/<name>.py`: a settings dataclass (plain fields, a one-line docstring under each; shape fields and loss
+   weights) with `check(config)`, and a `Part` subclass naming it in `settings_type`, its `name` (the
    `DrafterConfig` field holding the settings: `model.drafter.<name>.<field>` on the command line) and
-   `config_fields` (the `dflash_config` keys it exports, mapped to settings fields).
-2. `config.py`: one field `<name>: <Settings> = field(default_factory=<Settings>)` on `DrafterConfig`.
+   `config_fields` (the `dflash_config` keys it exports, mapped to settings fields); `layout` where it needs a
+   block layout other than section 3's (`blocks.BlockLayout`: the preset derives its layout from its parts).
+2. `config.py`: one field `<name>: <Settings> = field(default_factory=<Settings>)` on `DrafterConfig` (for
+   `--help`; everything else that lists parts is derived from the presets).
 3. `parts/presets.py`: the presets that include it (parts, `architectures` name, serve commands).
-4. Override the hooks it needs; each has a do-nothing default. Call order in one training step:
+4. Override the hooks it needs; each has a do-nothing default. `check_run` refuses run settings it cannot train
+   with, when the module is built and when fitting starts. Call order in one training step:
    `head_inputs` (before the chunked head loop) -> `head_chunk` (inside it, per chunk of whole blocks, with
    the `[rows, V]` logits that exist only there) -> `loss` (after it, with what the chunks returned) ->
    the module logs `PartOutput.logs` every `metrics_every` steps and feeds `PartOutput.rows` to `metric()`.
-   Decoding calls `draft` (the one part of a preset with `decodes = True`; else each slot's argmax).
-   Export writes `export_fields`, import reads them with `read_fields`; warm start loads the weights the
-   part `owns` only when the source has the part too.
+   Decoding calls `draft` (the one part of a preset with `decodes = True`; else each slot's argmax), which returns
+   a `Draft` (tokens, q, extras); `evaluate` calls every part's `served_report` with the served records.
+   Export writes `export_fields` and `top_level_fields`, import reads them with `read_fields`; warm start loads
+   the weights the part `owns` only when the source has the part too.
+5. `tests/test_contract.py`: its small settings in `TINY`; the contract test runs it and its presets through all of
+   the above.
 """
 
 from __future__ import annotations
@@ -142,7 +149,7 @@ class PartOutput:
     loss: Tensor | None = None
     """A term added to the (normalised) loss after the head loop; None: none (or it joined in `head_chunk`)."""
     logs: dict[str, Tensor] = field(default_factory=dict)
-    """0-dim values logged as `train/<name>` every `metrics_every` steps (names carry the part's prefix)."""
+    """0-dim values logged as `train/<name>` every `metrics_every` steps (names carry the part's `prefix()`)."""
     rows: Any = None
     """What `metric().update` takes besides the slots' labels and supervision, e.g. per-slot hits `[A, B, ...]`."""
 
@@ -166,6 +173,9 @@ class DraftInputs:
     """0: greedy; above: sample from the part's q."""
     generator: torch.Generator | None
     """The random stream of sampling."""
+    block_hidden: Tensor | None = None
+    """The backbone's output after `norm` of every slot of the block, drafting or not (a refiner that reads the
+    whole block, as XPress's mean over slots 0..B-1).  # [B, H]"""
 
 
 @dataclass
@@ -237,6 +247,9 @@ class Part(nn.Module):
     """Whether the part replaces each slot's argmax by its own drafting rule (`draft`); one such part a preset."""
     head_rows: ClassVar[int] = 0
     """How many per-row tensors `head_chunk` returns in `ChunkResult.rows`."""
+    metric_prefix: ClassVar[str | None] = None
+    """The prefix of every name the part logs (`<prefix>/...`: its `PartOutput.logs` and its metric's); None: its
+    `name`."""
     top_k: int = 0
     """Unary candidates per row the part reads from the head loop (`HeadChunk.top_ids`); 0: none."""
 
@@ -311,8 +324,13 @@ class Part(nn.Module):
     @classmethod
     def metric(cls, block_size: int) -> Any:
         """A torchmetrics Metric whose `update(rows, labels, supervised)` takes `PartOutput.rows`, and whose
-        `compute()` returns `{name: 0-dim tensor}` (names carry the part's prefix); None: no metrics."""
+        `compute()` returns `{name: 0-dim tensor}` (names carry the part's `prefix()`); None: no metrics."""
         return None
+
+    @classmethod
+    def prefix(cls) -> str:
+        """The prefix of the names the part logs: `metric_prefix`, else its `name`."""
+        return cls.metric_prefix or cls.name
 
     # --- decoding
     def draft(self, inputs: DraftInputs) -> Draft:
@@ -339,6 +357,12 @@ class Part(nn.Module):
     def top_level_fields(cls, settings: Any, config: Any = None) -> dict[str, Any]:
         """config.json fields outside `dflash_config` (DSpark's engines read theirs there, its block layout's
         `sample_from_anchor` too), from the part's settings and the drafter's `config`; none by default."""
+        return {}
+
+    @classmethod
+    def speculative_config(cls, settings: Any) -> dict[str, Any]:
+        """Keys the part adds to vLLM's `--speculative-config` in the serve command `export` prints; none by
+        default."""
         return {}
 
     @classmethod

@@ -101,6 +101,7 @@ class DSparkHeads(Part):
 
     name = "dspark_heads"
     settings_type = DSparkSettings
+    metric_prefix = "dspark"
     config_fields: ClassVar[dict[str, str]] = {}
     """DSpark's fields live at config.json's top level (`top_level_fields`), where vLLM reads markov_rank."""
     weight_prefix = None

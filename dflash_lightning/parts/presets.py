@@ -27,10 +27,11 @@ class Preset:
     """Its parts, in the order they are built, trained, logged and exported."""
     architecture: str
     """config.json's `architectures` entry of its folder."""
-    vllm_method: str = "dflash"
-    """`--speculative-config` method that serves it in vLLM."""
-    sglang_algorithm: str = "DFLASH"
-    """`--speculative-algorithm` that serves it in SGLang."""
+    vllm_method: str | None = "dflash"
+    """`--speculative-config` method that serves it in vLLM; None: vLLM has no runtime for it (`export` prints no
+    vLLM command, and says so)."""
+    sglang_algorithm: str | None = "DFLASH"
+    """`--speculative-algorithm` that serves it in SGLang; None: SGLang has no runtime for it."""
     summary: str = ""
     """What it adds, for `--help` and errors."""
 
