@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from dflash_lightning.blocks import base_slot_weights, block_labels, label_positions, select_anchors, teacher_positions
 from dflash_lightning.config import ConfigError, DrafterConfig
-from dflash_lightning.decoding.speculative import DraftContext, SpeculativeDecoder, target_generate
+from dflash_lightning.decoding.speculative import DraftContext, SpeculativeDecoder
 from dflash_lightning.loss import LossSettings
 from dflash_lightning.model import DFlashDrafter
 from dflash_lightning.parts.base import DraftInputs
@@ -248,26 +248,6 @@ def test_decoder_drafts_are_the_training_forward_over_whole_blocks(target):
         torch.testing.assert_close(out.parts["dspark_heads"].rows[0, :, 2].float(), conf.float(), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("block_size", [2, 4])
-def test_greedy_dspark_decoding_is_lossless(target, block_size):
-    """Greedy speculative decoding with a DSpark drafter (B drafts a block, verified as [x, d_0..d_{B-1}]) emits the
-    target's own greedy tokens."""
-    drafter = dspark_for(target, seed=block_size)
-    cfg = drafter.config
-    drafter = DFlashDrafter(DrafterConfig(**{**cfg.__dict__, "block_size": block_size}))
-    drafter = drafter.double().eval()
-    drafter.set_target_io(target.get_input_embeddings().weight.detach(), target.get_output_embeddings().weight.detach())
-    decoder = SpeculativeDecoder(target, drafter)
-    g = torch.Generator().manual_seed(block_size)
-    for i in range(6):
-        ids = torch.randint(4, 40, (int(torch.randint(2, 20, (1,), generator=g)),), generator=g)
-        spec, base = decoder.generate(ids, 16, 2 if i % 2 else None), target_generate(target, ids, 16,
-                                                                                       2 if i % 2 else None)
-        assert spec.tokens == base.tokens, i
-        assert all(0 <= a <= block_size for a in spec.accepted_lengths)
-        assert [len(c) for c in spec.extras.get("confidence", [])] == [block_size] * spec.steps  # B drafts' c a step
-
-
 def test_adaptive_verification_report_by_hand():
     """Two served steps: what each survival threshold verifies and accepts, and the calibration of c_k on the drafts
     reached (the drafts before them accepted), counted by hand."""
@@ -347,10 +327,12 @@ def test_folder_holds_what_the_dspark_loaders_read(exported):
         "confidence_head.proj.weight": (1, H + r), "confidence_head.proj.bias": (1,)}
 
 
-def test_serve_commands_and_round_trip(exported):
+def test_serve_commands(exported):
+    """B drafts a block: vLLM's num_speculative_tokens is B, SGLang's block size flag B (the round trip of every
+    preset's folder: tests/test_contract.py)."""
     import json
 
-    from dflash_lightning.export import import_folder, serve_commands
+    from dflash_lightning.export import serve_commands
 
     drafter, folder = exported
     commands = serve_commands(folder, drafter.config, "T")
@@ -358,12 +340,6 @@ def test_serve_commands_and_round_trip(exported):
     assert spec == {"method": "dspark", "model": str(folder), "num_speculative_tokens": B}  # B drafts a block
     assert "--speculative-algorithm DSPARK " in commands["sglang"]
     assert commands["sglang"].endswith(f"--speculative-dspark-block-size {B}")
-    cfg, state = import_folder(folder)
-    assert cfg.variant == "dspark" and cfg.dspark_heads == DSparkSettings(markov_rank=8)
-    expected = drafter.state_dict()
-    assert set(state) == set(expected)
-    for k in expected:
-        torch.testing.assert_close(state[k].float(), expected[k].to(torch.bfloat16).float())
 
 
 @pytest.mark.parametrize(("field", "value", "message"), [
