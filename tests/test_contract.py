@@ -34,7 +34,7 @@ from dflash_lightning.module import DFlashModule, warm_start
 from dflash_lightning.parts.convolutions import ConvSettings
 from dflash_lightning.parts.dspark import DSparkSettings
 from dflash_lightning.parts.lilicorr import LiLiCorrSettings
-from dflash_lightning.parts.presets import ALL_PARTS, PRESETS, preset
+from dflash_lightning.parts.presets import ALL_PARTS, PRESETS, Preset, preset
 from dflash_lightning.parts.selector import SelectorSettings
 from dflash_lightning.target_model import load_target_config, tokenizer_ids
 
@@ -90,6 +90,17 @@ def test_each_part_is_registered_once():
     for variant, row in PRESETS.items():
         assert tiny_config(variant).layout == row.layout
         assert len([part for part in row.parts if part.decodes]) <= 1, variant
+
+
+def test_parts_that_name_different_layouts_cannot_share_a_preset():
+    """A preset's layout is its parts' (section 3's where none names one); two that disagree are refused where the
+    preset is made."""
+    fill_in, anchor_first = (part for part in ALL_PARTS if part.layout is None), [
+        part for part in ALL_PARTS if part.layout is not None]
+    assert Preset((next(fill_in), *anchor_first), "X").layout == anchor_first[0].layout
+    other = type("Other", (anchor_first[0],), {"layout": replace(anchor_first[0].layout, last_slot_drafts=False)})
+    with pytest.raises(ValueError, match="the parts of a preset name different block layouts: "):
+        Preset((anchor_first[0], other), "X")
 
 
 def test_no_file_outside_parts_names_a_part():
