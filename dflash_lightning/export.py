@@ -23,7 +23,6 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from dflash_lightning.blocks import first_slot
 from dflash_lightning.config import ConfigError, DrafterConfig, _rope_settings
 from dflash_lightning.hf.modeling_dflash import __all__ as REMOTE_CLASSES
 from dflash_lightning.long_runs.atomic import write_dir_atomic
@@ -77,11 +76,9 @@ def hf_config(cfg: DrafterConfig, dtype: DType) -> dict[str, Any]:
     architecture = preset.architecture
     dflash = {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)}
     top_level = {}
-    if preset.sample_from_anchor:  # section 12: the engines read these at the top level; the layout always written
-        top_level |= {**dflash, "sample_from_anchor": True}
     for part in preset.parts:
-        dflash |= part.export_fields(getattr(cfg, part.name))
-        top_level |= part.top_level_fields(getattr(cfg, part.name))
+        dflash |= part.export_fields(getattr(cfg, part.name), cfg)
+        top_level |= part.top_level_fields(getattr(cfg, part.name), cfg)
     return {
         "architectures": [architecture],
         "model_type": "qwen3",
@@ -113,25 +110,31 @@ def hf_config(cfg: DrafterConfig, dtype: DType) -> dict[str, Any]:
 
 
 def serve_commands(folder: str | Path, cfg: DrafterConfig, target: str | None = None) -> dict[str, str]:
-    """The vLLM and SGLang commands that serve a drafter folder for its target, with the trained block size.
+    """The vLLM and SGLang commands that serve a drafter folder for its target, with the trained block size; an
+    engine without a runtime for the preset (`Preset.vllm_method` or `sglang_algorithm` None) has none.
 
     vLLM never reads a DFlash `block_size`: its block is 1 + `num_speculative_tokens`, so that is set to the drafts
-    of a block, B - 1 (anchor-first, section 12: B). SGLang reads `block_size` itself; its
-    `--speculative-<algorithm>-block-size` flag states it anyway, so the command says what is served.
+    of a block (`BlockLayout.drafts`: B - 1, DSpark's anchor-first block B), with the parts' own keys
+    (`Part.speculative_config`). SGLang reads `block_size` itself; its `--speculative-<algorithm>-block-size` flag
+    states it anyway, so the command says what is served.
     """
     model = shlex.quote(str(target)) if target else "TARGET_MODEL"
-    spec = json.dumps({"method": cfg.preset.vllm_method, "model": str(folder),
-                       "num_speculative_tokens": cfg.block_size - first_slot(cfg.preset.sample_from_anchor)})
-    algorithm = cfg.preset.sglang_algorithm
-    draft = shlex.quote(str(folder))
-    return {
-        "vllm": f"vllm serve {model} --speculative-config {shlex.quote(spec)}",
-        "sglang": (
+    preset, commands = cfg.preset, {}
+    if preset.vllm_method is not None:
+        spec = {"method": preset.vllm_method, "model": str(folder),
+                "num_speculative_tokens": cfg.layout.drafts(cfg.block_size)}
+        for part in preset.parts:
+            spec |= part.speculative_config(getattr(cfg, part.name))
+        commands["vllm"] = f"vllm serve {model} --speculative-config {shlex.quote(json.dumps(spec))}"
+    algorithm = preset.sglang_algorithm
+    if algorithm is not None:
+        draft = shlex.quote(str(folder))
+        commands["sglang"] = (
             f"python -m sglang.launch_server --model-path {model} "
             f"--speculative-algorithm {algorithm} "
             f"--speculative-draft-model-path {draft} --speculative-{algorithm.lower()}-block-size {cfg.block_size}"
-        ),
-    }
+        )
+    return commands
 
 
 def cast_weights(state: dict[str, Tensor], dtype: DType | None, source: str) -> dict[str, Tensor]:
@@ -172,9 +175,9 @@ def config_from_hf(raw: dict[str, Any]) -> DrafterConfig:
     # a part's fields in dflash_config, else at the top level (DSpark's, section 12), the order SGLang reads them in
     fields = {**raw, **dflash}
     variant = variant_of_folder(raw.get("architectures"), fields, "drafter config.json")
-    layout = raw.get("sample_from_anchor")
-    if layout is not None and layout is not preset(variant).sample_from_anchor:
-        raise ConfigError(f"drafter config.json: sample_from_anchor {layout!r} is not the block layout of a "
+    stated = raw.get("sample_from_anchor")  # how the engines read a folder's block layout (docs/method.md 12)
+    if stated is not None and stated is not preset(variant).layout.anchor_first:
+        raise ConfigError(f"drafter config.json: sample_from_anchor {stated!r} is not the block layout of a "
                           f"{preset(variant).architecture} (docs/method.md 3 and 12), which this package trains")
     parts = {part.name: part.read_fields(fields, "drafter config.json") for part in preset(variant).parts}
     rope_theta, rope_scaling = _rope_settings(SimpleNamespace(**raw))
@@ -435,11 +438,18 @@ def export(*, checkpoint: str, out: str, dtype: DType | None = None) -> Path:
 def print_serve_commands(folder: Path, cfg: DrafterConfig, target: str | None, dtype: str) -> None:
     """Print the vLLM and SGLang commands that serve `folder`, and what to watch for."""
     commands = serve_commands(folder, cfg, target)
-    drafts = cfg.block_size - first_slot(cfg.preset.sample_from_anchor)
-    print(f"serve with vLLM (num_speculative_tokens = {drafts} drafts of a block of {cfg.block_size}):\n"
-          f"  {commands['vllm']}")
-    print(f"serve with SGLang (reads block_size {cfg.block_size} and dtype {dtype} from config.json):\n"
-          f"  {commands['sglang']}")
+    drafts = cfg.layout.drafts(cfg.block_size)
+    architecture = cfg.preset.architecture
+    if "vllm" in commands:
+        print(f"serve with vLLM (num_speculative_tokens = {drafts} drafts of a block of {cfg.block_size}):\n"
+              f"  {commands['vllm']}")
+    else:
+        print(f"vLLM: no runtime serves this drafter (a {architecture} with its parts), so no vLLM command")
+    if "sglang" in commands:
+        print(f"serve with SGLang (reads block_size {cfg.block_size} and dtype {dtype} from config.json):\n"
+              f"  {commands['sglang']}")
+    else:
+        print(f"SGLang: no runtime serves this drafter (a {architecture} with its parts), so no SGLang command")
     if target is None:
         print("TARGET_MODEL: the target model the drafter was trained for")
     if dtype == "float32":
