@@ -87,8 +87,10 @@ def run_config(base: dict, run_dir: Path, seed: int, settings: dict, device: str
 
 
 def one_run(name: str, seed: int, work: Path, base: dict, config_name: str, threads: int | None = None,
-            device: str = "cpu", temperatures: str = "0") -> dict:
-    """fit then evaluate one recipe and seed (or read the finished run); its figures."""
+            device: str = "cpu", temperatures: str = "0", extra: dict | None = None, prompts: str = PROMPTS,
+            evaluate_args: tuple[str, ...] = ()) -> dict:
+    """fit then evaluate one recipe and seed (or read the finished run); its figures. `extra`: settings (dotted keys)
+    over every recipe's (a shared feature cache, the step count); `evaluate_args`: more `evaluate` options."""
     run_dir = work / f"{name}-seed{seed}"
     report_path = run_dir / "eval" / "report.json"
     record_path = run_dir / "run.json"
@@ -96,7 +98,7 @@ def one_run(name: str, seed: int, work: Path, base: dict, config_name: str, thre
         return json.loads(record_path.read_text())
     run_dir.mkdir(parents=True, exist_ok=True)
     config = run_dir / "config.yaml"
-    config.write_text(yaml.safe_dump(run_config(base, run_dir, seed, RECIPES[name], device)))
+    config.write_text(yaml.safe_dump(run_config(base, run_dir, seed, {**RECIPES[name], **(extra or {})}, device)))
     env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
     t0 = time.perf_counter()
     fit = [sys.executable, "-m", "dflash_lightning", "fit", "--config", str(config)]
@@ -104,15 +106,15 @@ def one_run(name: str, seed: int, work: Path, base: dict, config_name: str, thre
         subprocess.run(fit, cwd=ROOT, env=env, check=True, stdout=log, stderr=subprocess.STDOUT)
     t1 = time.perf_counter()
     ckpt = str(run_dir / "checkpoints/last.ckpt")
-    evaluate = [sys.executable, "-m", "dflash_lightning", "evaluate", "--drafter", ckpt, "--prompts", PROMPTS,
+    evaluate = [sys.executable, "-m", "dflash_lightning", "evaluate", "--drafter", ckpt, "--prompts", prompts,
                 "--device", device, "--dtype", "float32", "--out", str(run_dir / "eval"),
-                "--temperature", temperatures, "--seed", "0"]
+                "--temperature", temperatures, "--seed", "0", *evaluate_args]
     with open(run_dir / "eval.log", "w") as log:
         subprocess.run(evaluate, cwd=ROOT, env=env, check=True, stdout=log, stderr=subprocess.STDOUT)
     t2 = time.perf_counter()
     report = json.loads(report_path.read_text())
     record = {
-        "recipe": name, "seed": seed, "settings": RECIPES[name], "config": config_name,
+        "recipe": name, "seed": seed, "settings": {**RECIPES[name], **(extra or {})}, "config": config_name,
         "tau_pooled": report["tau_pooled"], "tau_prompt_mean": report["tau_prompt_mean"],
         "tokens_per_step": report["tokens_per_step"], "mismatches": report["mismatches"],
         "num_prompts": report["num_prompts"], "speedup": report["speedup"],
@@ -121,6 +123,7 @@ def one_run(name: str, seed: int, work: Path, base: dict, config_name: str, thre
                                                         "mismatches")}
                             for t, run in report.get("per_temperature", {}).items()},
         "selector": _last_selector_metrics(run_dir),
+        "curve": _served_curve(run_dir),
     }
     record_path.write_text(json.dumps(record, indent=2) + "\n")
     return record
@@ -144,6 +147,20 @@ def _last_selector_metrics(run_dir: Path) -> dict:
     return out
 
 
+def _served_curve(run_dir: Path) -> dict[str, dict[str, float]]:
+    """Served tau (`val/tau_served`, spec_eval's greedy decoding during the fit) and `val/tau` by step."""
+    import csv
+
+    out: dict[str, dict[str, float]] = {}
+    for path in sorted(run_dir.glob("dflash/version_*/metrics.csv")):
+        with open(path) as f:
+            for row in csv.DictReader(f):
+                for key in ("val/tau_served", "val/tau"):
+                    if row.get(key):
+                        out.setdefault(key, {})[row["step"]] = float(row[key])
+    return out
+
+
 def summary(records: list[dict], key: str) -> dict:
     values = [r[key] for r in records]
     return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
@@ -161,7 +178,16 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS of each run; None: torch's default")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where fit and evaluate run")
     parser.add_argument("--temperatures", default="0", help="evaluate's --temperature list, e.g. 0,0.6,1")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a setting (dotted, YAML value) over every recipe's, e.g. data.feature_cache=DIR")
+    parser.add_argument("--prompts", default=PROMPTS, help="evaluate's prompts")
+    parser.add_argument("--num-prompts", type=int, default=None, help="evaluate only the first N prompts")
+    parser.add_argument("--max-new-tokens", type=int, default=None, help="evaluate's --max_new_tokens")
     args = parser.parse_args()
+    extra = {key: yaml.safe_load(value) for key, _, value in (item.partition("=") for item in args.set)}
+    evaluate_args = tuple(
+        a for flag, value in (("--num_prompts", args.num_prompts), ("--max_new_tokens", args.max_new_tokens))
+        if value is not None for a in (flag, str(value)))
     base = yaml.safe_load((ROOT / args.config).read_text())
     seeds = [int(s) for s in args.seeds.split(",")]
     names = args.recipes.split(",")
@@ -172,7 +198,7 @@ def main() -> None:
     records = []
     with ThreadPoolExecutor(args.jobs) as pool:
         runs = [pool.submit(one_run, name, seed, args.work.resolve(), base, args.config, args.threads, args.device,
-                            args.temperatures) for name, seed in plan]
+                            args.temperatures, extra, args.prompts, evaluate_args) for name, seed in plan]
         for run in runs:
             records.append(run.result())
             print(json.dumps(records[-1]), flush=True)
@@ -194,7 +220,7 @@ def write_result(args: argparse.Namespace, seeds: list[int], names: list[str], r
                     if all(r["per_temperature"].get(t, {}).get(key) is not None for r in runs)}
                 for t in temps}
     result = {
-        "date": time.strftime("%Y-%m-%d"), "config": args.config, "seeds": seeds, "prompts": PROMPTS,
+        "date": time.strftime("%Y-%m-%d"), "config": args.config, "seeds": seeds, "prompts": args.prompts,
         "command": "python benchmarks/objective_ab.py " + " ".join(sys.argv[1:]),
         "recipes": recipes, "runs": records,
     }
