@@ -485,7 +485,8 @@ def sglang_case(seed: int = 0) -> tuple[dict, dict]:
     config |= top
     torch.manual_seed(seed)
     part = domino(seed, v=v).float()
-    weights = {k: v.bfloat16() for k, v in {**DFlashDrafter(cfg).state_dict(), **part.state_dict()}.items()}
+    backbone = {k: torch.randn_like(v) for k, v in DFlashDrafter(cfg).state_dict().items()}  # no two alike
+    weights = {k: v.bfloat16() for k, v in {**backbone, **part.state_dict()}.items()}
     part.load_state_dict({k: weights[k].float() for k in part.state_dict()})  # what the folder holds
     g = torch.Generator().manual_seed(seed + 1)
     inputs = {"hidden": torch.randn(5, b, H, generator=g) * 2, "first": torch.randint(0, v, (5,), generator=g),
