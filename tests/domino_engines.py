@@ -47,6 +47,15 @@ class _KernelStandIn(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         module.__getattr__ = lambda attr: mock.MagicMock(name=f"{module.__name__}.{attr}")
 
 
+def prepare() -> None:
+    """What SGLang's CPU import path needs in this process: the stand-ins for sgl_kernel and torchvision."""
+    from lilicorr_engines import stand_in_torchvision
+
+    if not any(isinstance(finder, _KernelStandIn) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _KernelStandIn())
+    stand_in_torchvision()
+
+
 def build(config: dict, dtype: torch.dtype):
     """SGLang's DFlashDraftModel of a config.json, built as its loader builds it (default dtype = the folder's)."""
     from sglang.srt.models.dflash import DFlashDraftModel
@@ -107,9 +116,6 @@ if __name__ == "__main__":
     if importlib.util.find_spec("sglang") is None:
         print(f"sglang is not installed in {sys.prefix}", file=sys.stderr)
         sys.exit(3)
-    sys.meta_path.insert(0, _KernelStandIn())
-    from lilicorr_engines import stand_in_torchvision
-
-    stand_in_torchvision()
+    prepare()
     cases = torch.load(sys.argv[1])
     torch.save([run(case) for case in cases], sys.argv[2])

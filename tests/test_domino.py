@@ -468,7 +468,8 @@ ENGINE = os.environ.get("DFLASH_SGLANG_PYTHON") or os.environ.get("DFLASH_ENGINE
 
 def sglang_case(seed: int = 0) -> tuple[dict, dict]:
     """A Domino folder's config.json and weights (a tiny plain DFlash drafter's backbone plus the part, bf16 as SGLang
-    wants), inputs for a few blocks, and our greedy drafts on them (fp32, from the bf16 weights)."""
+    wants), inputs for a few blocks, and our greedy drafts on them from the folder's weights, in fp32 and in bf16 (as
+    SGLang serves), by pool size."""
     from dflash_lightning.config import DrafterConfig
     from dflash_lightning.export import hf_config
     from dflash_lightning.model import DFlashDrafter
@@ -491,10 +492,12 @@ def sglang_case(seed: int = 0) -> tuple[dict, dict]:
     g = torch.Generator().manual_seed(seed + 1)
     inputs = {"hidden": torch.randn(5, b, H, generator=g) * 2, "first": torch.randint(0, v, (5,), generator=g),
               "embed": torch.randn(v, H, generator=g), "head": torch.randn(v, H, generator=g) / H**0.5}
-    logits = inputs["hidden"][:, : b - 1] @ inputs["head"].T
-    pools = [0, 16]
-    ours = {pool: greedy_draft(part, inputs["hidden"][:, : b - 1], logits, inputs["first"], inputs["embed"], 1, pool)
-            for pool in pools}
+    pools, ours = [0, 16], {}
+    for dtype, key in ((torch.float32, "drafts"), (torch.bfloat16, "drafts_bf16")):
+        hidden, head, embed = (inputs[k].to(dtype) for k in ("hidden", "head", "embed"))
+        logits = hidden[:, : b - 1] @ head.T
+        ours[key] = {pool: greedy_draft(part.to(dtype), hidden[:, : b - 1], logits, inputs["first"], embed, 1, pool)
+                     for pool in pools}
     return {"config": config, "weights": weights, "inputs": inputs, "pools": pools}, ours
 
 
@@ -503,7 +506,7 @@ def sglang_case(seed: int = 0) -> tuple[dict, dict]:
 def test_sglang_loads_our_folder_and_drafts_our_tokens(tmp_path):
     """SGLang 0.5.23's own DFlashDraftModel, built on the CPU from our config.json, loads every weight of our folder
     (no missing parameter, no tensor left out), parses Domino's fields as ours, and its domino_greedy_rollout drafts
-    our greedy tokens on the same inputs, with the full vocabulary and with a candidate pool."""
+    our greedy tokens on the same inputs, with the full vocabulary and with a candidate pool, in fp32 and in bf16."""
     case, ours = sglang_case()
     torch.save([case], tmp_path / "in.pt")
     done = subprocess.run([ENGINE, str(Path(__file__).with_name("domino_engines.py")), str(tmp_path / "in.pt"),
@@ -516,5 +519,6 @@ def test_sglang_loads_our_folder_and_drafts_our_tokens(tmp_path):
     assert not theirs["missing"] and not theirs["unexpected"], theirs
     assert theirs["parsed"] == {"projector_type": "domino", "shift_label": True, "pure_draft_prefix_len": 1,
                                 "gru_hidden_dim": G, "emb_dim": E}
-    for pool in case["pools"]:
-        assert torch.equal(theirs["drafts"][pool], ours[pool]), pool
+    for key in ("drafts", "drafts_bf16"):
+        for pool in case["pools"]:
+            assert torch.equal(theirs[key][pool], ours[key][pool]), (key, pool)
