@@ -20,6 +20,8 @@ from torchmetrics import Metric
 
 from dflash_lightning.errors import ConfigError
 
+PROJECTOR_TYPE = "domino"
+"""dflash_config.projector_type of a Domino folder (SGLang builds the GRU and the projector for this value only)."""
 SGLANG_POOL = 2048
 """SGLang's default `--speculative-domino-candidate-pool-size`: the correction is scored on a block-shared pool of
 the base logits' top 2048 (0: the full vocabulary, the training semantics)."""
@@ -410,14 +412,15 @@ def greedy_draft(
 def folder_fields(settings: DominoSettings) -> tuple[dict[str, Any], dict[str, Any]]:
     """(dflash_config fields, top-level config.json fields) of a Domino folder; with section 7's DFlash fields and
     `architectures: ["DFlashDraftModel"]` (SGLang knows no other name for it) it is what SGLang 0.5.23 loads."""
-    dflash = {"projector_type": "domino", "shift_label": True, "pure_draft_prefix_len": settings.pure_draft_prefix_len,
-              "gru_hidden_dim": settings.gru_hidden_dim, "emb_dim": settings.emb_dim}
+    dflash = {"projector_type": PROJECTOR_TYPE, "shift_label": True,
+              "pure_draft_prefix_len": settings.pure_draft_prefix_len, "gru_hidden_dim": settings.gru_hidden_dim,
+              "emb_dim": settings.emb_dim}
     return dflash, {"emb_dim": settings.emb_dim}
 
 
 def is_domino_folder(dflash: dict[str, Any]) -> bool:
     """Whether a DFlashDraftModel folder's dflash_config names Domino's projector."""
-    return dflash.get("projector_type") == "domino"
+    return dflash.get("projector_type") == PROJECTOR_TYPE
 
 
 def read_folder_fields(dflash: dict[str, Any], top: dict[str, Any], source: str) -> DominoSettings:
@@ -518,9 +521,8 @@ class DominoMetrics(Metric):
 
 
 __all__ = [
-    "FOLDER_DTYPE", "SGLANG_POOL", "VLLM_NOTE", "ChunkTerms", "DominoHead", "DominoMetrics", "DominoSettings",
-    "PrefixGRU",
-    "check_folder_dtype", "corrected_slots", "domino_chunk", "domino_head_loss", "folder_fields", "greedy_draft",
-    "gru_states", "gru_step", "is_domino_folder", "lambda_base", "prefix_states", "read_folder_fields",
-    "sglang_flags", "weight_shapes",
+    "FOLDER_DTYPE", "PROJECTOR_TYPE", "SGLANG_POOL", "VLLM_NOTE", "ChunkTerms", "DominoHead", "DominoMetrics",
+    "DominoSettings", "PrefixGRU", "check_folder_dtype", "corrected_slots", "domino_chunk", "domino_head_loss",
+    "folder_fields", "greedy_draft", "gru_states", "gru_step", "is_domino_folder", "lambda_base", "prefix_states",
+    "read_folder_fields", "sglang_flags", "weight_shapes",
 ]
