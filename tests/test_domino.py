@@ -6,6 +6,7 @@ folder's fields and weights, the metrics; fixed shapes under torch.compile; SGLa
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import weakref
@@ -19,15 +20,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from dflash_lightning.errors import ConfigError
+from dflash_lightning.loss import LossSettings, chunked_head_loss
 from dflash_lightning.parts.domino import (
     FOLDER_DTYPE,
     SGLANG_POOL,
+    DominoCorrection,
     DominoHead,
     DominoMetrics,
     DominoSettings,
-    check_folder_dtype,
-    domino_chunk,
-    domino_head_loss,
     folder_fields,
     greedy_draft,
     gru_step,
@@ -200,10 +200,28 @@ def reference_loss(m: DominoHead, t: SimpleNamespace, hidden: torch.Tensor, lam:
     return (w * ((1 - lam) * ce_final + lam * ce_base)).sum(), (w * ce_final).sum(), (w * ce_base).sum(), right
 
 
+DECAY = LossSettings(loss_weights="decay")
+
+
+def part_of(m: DominoHead, pure: int = 1, block: int = B) -> DominoCorrection:
+    """The part around a head `m` (its settings from m's shapes; P unchecked, so that P 0 and 2 can be tried)."""
+    g, e, v = m.prefix_gru.weight_hh_l0.shape[1], m.proj_in.shape[0], m.proj_out.shape[0]
+    cfg = SimpleNamespace(domino=DominoSettings(gru_hidden_dim=g, emb_dim=e, pure_draft_prefix_len=pure),
+                          block_size=block, hidden_size=m.proj_in.shape[1] - g, vocab_size=v)
+    part = DominoCorrection(cfg)
+    part.head = m
+    return part
+
+
 def ours_loss(m: DominoHead, t: SimpleNamespace, hidden: torch.Tensor, lam, chunk: int, pure: int = 1):
+    """The head loop with the part in it (as the drafter's forward runs it): total, sum w CE(f), sum w CE(b), hits."""
     s = prefix_states(m, t.embed, t.block_tokens)
-    return domino_head_loss(hidden.flatten(0, 1), s.flatten(0, 1), m, t.head, t.labels.flatten(),
-                            t.weights.flatten(), torch.tensor(lam, dtype=torch.float64), hidden.shape[1], pure, chunk)
+    lam = torch.as_tensor(lam, dtype=hidden.dtype)
+    total, ce, _, _, [(logged, (right,))] = chunked_head_loss(
+        hidden.flatten(0, 1), t.head, t.labels.flatten(), t.weights.flatten(), chunk, 0, hidden.shape[1], DECAY,
+        parts=((part_of(m, pure, hidden.shape[1]), (s.flatten(0, 1), lam)),))
+    assert torch.equal(ce, logged[0])  # the loop's CE is f's, what is served
+    return total, logged[0], logged[1], right
 
 
 @pytest.mark.parametrize("lam", [0.0, 0.37, 1.0])
@@ -264,23 +282,18 @@ class LiveRows(TorchDispatchMode):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_a_chunk_holds_at_most_two_rows_by_vocabulary_tensors(dtype):
-    """Inside the chunked loss no more than two [rows, V] tensors are alive at any op (b and f, turned in place into
+    """Inside the head loop no more than two [rows, V] tensors are alive at any op (b and f, turned in place into
     their softmax and gradients); V large beside every other width, as 151936 is."""
     v, rows = 600, 2 * B
     t = tensors(a=6, v=v)
     m = domino(v=v).to(dtype)
     s = prefix_states(m, t.embed.to(dtype), t.block_tokens).detach().flatten(0, 1)
     hidden, head = t.hidden.to(dtype).flatten(0, 1), t.head.to(dtype)
-    args = (hidden, s, m, head, t.labels.flatten(), t.weights.flatten().to(dtype), torch.tensor(0.4, dtype=dtype))
+    inputs = (s, torch.tensor(0.4, dtype=dtype))
     watch = LiveRows(rows * v, [hidden, s, head, *m.parameters()])
     with watch:
-        domino_head_loss(*args, B, 1, rows)
-    assert watch.peak == 2
-    watch = LiveRows(rows * v, [hidden, s, head, *m.parameters()])
-    with watch, torch.no_grad():  # as inside the head loop's autograd.Function
-        domino_chunk(hidden[:rows], s[:rows], t.labels.flatten()[:rows], t.weights.flatten()[:rows].to(dtype),
-                     torch.ones(rows, dtype=torch.bool), torch.tensor(0.4, dtype=dtype), head, head.T, m.proj_in,
-                     m.proj_out)
+        chunked_head_loss(hidden, head, t.labels.flatten(), t.weights.flatten().to(dtype), rows, 0, B, DECAY,
+                          parts=((part_of(m), inputs),))
     assert watch.peak == 2
 
 
@@ -295,8 +308,8 @@ def test_bf16_compute_with_fp32_weights_follows_the_reference():
     m = domino().float()
     hidden = t.hidden.bfloat16().requires_grad_()
     s = prefix_states(m, t.embed.bfloat16(), t.block_tokens)
-    total, *_ = domino_head_loss(hidden.flatten(0, 1), s.flatten(0, 1), m, t.head.bfloat16(), t.labels.flatten(),
-                                 t.weights.flatten(), torch.tensor(0.5), B, 1, 2 * B)
+    total, *_ = chunked_head_loss(hidden.flatten(0, 1), t.head.bfloat16(), t.labels.flatten(), t.weights.flatten(),
+                                  2 * B, 0, B, DECAY, parts=((part_of(m), (s.flatten(0, 1), torch.tensor(0.5))),))
     total.backward()
     torch.testing.assert_close(total.double(), ref, rtol=2e-2, atol=0)
     torch.testing.assert_close(hidden.grad.double(), ref_h.grad, rtol=0.1, atol=0.05)
@@ -305,8 +318,8 @@ def test_bf16_compute_with_fp32_weights_follows_the_reference():
 
 
 def test_the_loss_compiles_once_for_every_lambda():
-    """The GRU states and the chunked loss trace as one graph (no graph break: nn.GRU is not called) and a new lambda,
-    labels and weights do not recompile (lambda is a tensor)."""
+    """The GRU states and the head loop with the part in it trace as one graph (no graph break: nn.GRU is not
+    called) and a new lambda, labels and weights do not recompile (lambda is a 0-dim tensor); no host sync in it."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -317,10 +330,12 @@ def test_the_loss_compiles_once_for_every_lambda():
         return gm.forward
 
     m = domino().float()
+    part = part_of(m)
 
     def step(hidden, tokens, embed, head, labels, weights, lam):
         s = prefix_states(m, embed, tokens)
-        return domino_head_loss(hidden.flatten(0, 1), s.flatten(0, 1), m, head, labels, weights, lam, B, 1, 2 * B)[0]
+        return chunked_head_loss(hidden.flatten(0, 1), head, labels, weights, 2 * B, 3, B, DECAY,
+                                 parts=((part, (s.flatten(0, 1), lam)),))[0]
 
     compiled = torch.compile(step, backend=backend, fullgraph=True, dynamic=False)
     counters.clear()
@@ -333,6 +348,8 @@ def test_the_loss_compiles_once_for_every_lambda():
         torch.testing.assert_close(total, step(*args))
         total.backward()
     assert len(graphs) == 1 and not counters["recompiles"] and not counters["graph_break"]
+    sync_ops = ("item", "tolist", torch.ops.aten._local_scalar_dense.default)
+    assert not [node for node in graphs[0].graph.nodes if node.target in sync_ops]
 
 
 # ---- decoding -------------------------------------------------------------------------------------------------------
@@ -408,9 +425,7 @@ def test_folder_fields_round_trip_and_are_what_sglang_reads():
     assert back == DominoSettings(gru_hidden_dim=64, emb_dim=32)  # training choices at their defaults
     assert read_folder_fields(dflash, {}, "f") == back
     assert read_folder_fields({**dflash, "emb_dim": None}, top, "f") == back
-    check_folder_dtype(FOLDER_DTYPE, "f")
-    with pytest.raises(ConfigError, match="f: a Domino folder is served by SGLang only in bfloat16"):
-        check_folder_dtype("float32", "f")
+    assert DominoCorrection.folder_dtype == FOLDER_DTYPE == "bfloat16"
     assert sglang_flags(DominoSettings()) == [] and SGLANG_POOL == 2048
     assert sglang_flags(settings) == ["--speculative-domino-candidate-pool-size 0"]
 
@@ -461,43 +476,178 @@ def test_metrics_against_a_plain_loop():
         assert out[f"domino/base_acc/slot_{k:02d}"].item() == pytest.approx(rows[m, k, 1].float().mean().item())
 
 
+# ---- the preset: the drafter's forward, the run's checks, the curriculum, export and import ---------------------
+
+
+def domino_drafter(block: int = 4, seed: int = 0):
+    """A two-layer fp64 Domino drafter (width 32, vocabulary 40) with its weights off their initialisation."""
+    from test_model import tiny_drafter
+
+    drafter = tiny_drafter(block=block, seed=seed, variant="domino", domino=DominoSettings(gru_hidden_dim=8, emb_dim=4))
+    with torch.no_grad():
+        for p in drafter.embed_proj.parameters():
+            p.normal_(0, 0.3)
+    return drafter
+
+
+def test_the_drafters_forward_trains_section_13s_loss_on_the_blocks_true_tokens():
+    """The drafter's training forward (anchor-first rows, the GRU over each block's true tokens t_p..t_{p+B-1} from
+    `TrainInputs.before`, lambda from the part's curriculum) equals the loss written densely from the block states;
+    the GRU, the projector and the backbone get gradients; the logged CEs are f's and b's."""
+    from helpers import packed_batch
+
+    from dflash_lightning.blocks import select_anchors, slot_weights
+    from dflash_lightning.parts.domino import LAYOUT
+
+    drafter = domino_drafter()
+    part = drafter.parts[0]
+    part.curriculum.lam.fill_(0.3)
+    batch = packed_batch([30, 18], 64, seed=1)
+    features = torch.randn(64, 96, dtype=torch.float64)
+    anchors, valid = select_anchors(batch["loss_mask"], batch["doc_ids"], 10, torch.Generator().manual_seed(2))
+    args = (features, batch["input_ids"], batch["position_ids"], batch["doc_ids"], batch["loss_mask"], anchors, valid,
+            slot_weights(4, 7.0, layout=LAYOUT).double())
+    out = drafter(*args, topk=2)
+    out.loss.backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in drafter.parameters())
+    with torch.no_grad():
+        hidden = drafter.block_hidden(*args[:4], anchors, valid)  # [A, B, H]
+        tokens = batch["input_ids"][(anchors[:, None] + torch.arange(4)).clamp(max=63)]  # t_p..t_{p+3}
+        s = torch_gru(part.head)(drafter.embed_weight[tokens])[0]
+        base = hidden @ drafter.head_weight.T
+        final = base + (torch.arange(4) >= 1)[None, :, None] * part.head.embed_proj(torch.cat([hidden, s], -1))
+        w, y = out.weights, out.labels
+        ce_f, ce_b = (F.cross_entropy(z.flatten(0, 1), y.flatten(), reduction="none").view(-1, 4)
+                      for z in (final, base))
+        torch.testing.assert_close(out.loss, (w * (0.7 * ce_f + 0.3 * ce_b)).sum() / w.sum())
+        torch.testing.assert_close(out.parts["domino"].logs["domino/ce"], (w * ce_f).sum() / w.sum())
+        torch.testing.assert_close(out.parts["domino"].logs["domino/base_ce"], (w * ce_b).sum() / w.sum())
+        assert torch.equal(out.topk[..., 0], final.argmax(-1))  # the module's accuracy and tau: what is served
+        assert torch.equal(out.parts["domino"].rows, torch.stack([final.argmax(-1) == y, base.argmax(-1) == y], -1))
+
+
+def domino_module(tiny_target, settings: DominoSettings | None = None, **kw):
+    from dflash_lightning.config import DrafterConfig
+    from dflash_lightning.module import DFlashModule
+
+    cfg = DrafterConfig(num_layers=2, block_size=4, variant="domino",
+                        domino=settings or DominoSettings(gru_hidden_dim=8, emb_dim=4))
+    return DFlashModule(str(tiny_target), cfg, token_budget=64, num_anchors=8,
+                        **{"objective": "ce", "loss_weights": "decay", **kw})
+
+
+def test_the_run_is_checked_and_lambda_fed_each_step_from_the_module(tiny_target):
+    """check_run: another loss refused when the module is built, a run with no end when fitting starts (one line,
+    never lambda silently 0), unless the curriculum is off; each training step sets lambda of the Trainer's step and
+    total in place (the same 0-dim tensor, so a compiled loop never recompiles) and logs it as domino/lambda."""
+    from test_module import batch_with_features
+
+    for kw, message in (({"loss_weights": "dpace"}, "model.loss_weights=decay"), ({"objective": "kl"},
+                                                                                   "model.objective=ce")):
+        with pytest.raises(ConfigError, match=message):
+            domino_module(tiny_target, **kw)
+    module = domino_module(tiny_target, metrics_every=1)
+    module.configure_model()
+    module._trainer = SimpleNamespace(estimated_stepping_batches=math.inf, global_step=0, global_rank=0)
+    with pytest.raises(ConfigError, match=r"^model.drafter.domino.lambda_base_start=1.0: the base-to-final curriculum "
+                                          r"falls over the run's total optimizer steps, and this run has no end; .*"
+                                          r"lambda_base_start=0 to train the final loss alone$"):
+        module.configure_optimizers()
+    off = domino_module(tiny_target, DominoSettings(gru_hidden_dim=8, emb_dim=4, lambda_base_start=0.0))
+    off.check_parts(math.inf)  # no curriculum: the part needs no total (the learning rate's schedule still does)
+    module._trainer.estimated_stepping_batches = 10
+    module.configure_optimizers()
+    lam = module.drafter.parts[0].curriculum.lam
+    batch = batch_with_features(tiny_target, module.drafter_config.target_layer_ids)
+    logged = {}
+    module.log = lambda name, value, **kw: logged.__setitem__(name, value)
+    for step in (0, 4, 12):
+        module._trainer.global_step = step
+        module.training_step(batch, 0)
+        assert logged["train/domino/lambda"].item() == pytest.approx(max(0.0, 1 - step / 10))
+        assert module.drafter.parts[0].curriculum.lam is lam
+
+
+def test_export_writes_sglangs_bf16_folder_and_says_vllm_has_no_runtime(tiny_target, tmp_path, capsys):
+    """`export` of a Domino checkpoint: bf16 weights whatever it trained in (another dtype asked for is refused in
+    one line), the SGLang command (DFLASH, the block size, the candidate pool when not SGLang's), no vLLM command and
+    the reason; the folder imports back as Domino, and the transformers modelling file refuses it by name."""
+    from safetensors.torch import load_file
+    from transformers import Qwen3Config
+
+    from dflash_lightning.export import export, import_folder
+    from dflash_lightning.hf.modeling_dflash import DFlashDraftModel
+    from dflash_lightning.parts.domino import VLLM_NOTE
+
+    module = domino_module(tiny_target, DominoSettings(gru_hidden_dim=8, emb_dim=4, candidate_pool_size=0))
+    module.configure_model()
+    ckpt = {"state_dict": module.state_dict(), "drafter_config": module.drafter_config.to_dict(), "global_step": 1,
+            "hyper_parameters": {"target": str(tiny_target)}, "precision": "32-true"}
+    torch.save(ckpt, tmp_path / "last.ckpt")
+    with pytest.raises(ConfigError, match="^dtype float32: a domino drafter's folder is served only in bfloat16 .*"):
+        export(checkpoint=str(tmp_path / "last.ckpt"), out=str(tmp_path / "f32"), dtype="float32")
+    folder = export(checkpoint=str(tmp_path / "last.ckpt"), out=str(tmp_path / "folder"))
+    printed = capsys.readouterr().out
+    config = json.loads((folder / "config.json").read_text())
+    assert config["dtype"] == "bfloat16" and config["architectures"] == ["DFlashDraftModel"]
+    assert {v.dtype for v in load_file(folder / "model.safetensors").values()} == {torch.bfloat16}
+    assert "vllm serve" not in printed and f"\n{VLLM_NOTE}\n" in printed
+    assert (f"--speculative-algorithm DFLASH --speculative-draft-model-path {folder} --speculative-dflash-block-size 4 "
+            f"--speculative-domino-candidate-pool-size 0\n") in printed
+    cfg, state = import_folder(folder)
+    assert cfg.variant == "domino" and cfg.domino == DominoSettings(gru_hidden_dim=8, emb_dim=4)
+    assert set(state) == set(module.drafter.state_dict())
+    with pytest.raises(ValueError, match="projector_type 'domino': this file builds plain DFlash drafters"):
+        DFlashDraftModel(Qwen3Config(**config))
+    config["emb_dim"] = 5  # SGLang refuses a folder whose two emb_dims differ; so does import
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=r"dflash_config.emb_dim \(4\) and the top-level emb_dim \(5\) differ"):
+        import_folder(folder)
+
+
 # ---- SGLang's own Domino code ---------------------------------------------------------------------------------------
 
 ENGINE = os.environ.get("DFLASH_SGLANG_PYTHON") or os.environ.get("DFLASH_ENGINE_PYTHON", "")
 
 
 def sglang_case(seed: int = 0) -> tuple[dict, dict]:
-    """A Domino folder's config.json and weights (a tiny plain DFlash drafter's backbone plus the part, bf16 as SGLang
-    wants), inputs for a few blocks, and our greedy drafts on them from the folder's weights, in fp32 and in bf16 (as
-    SGLang serves), by pool size."""
+    """A Domino drafter's folder as export writes it (config.json of the preset, a tiny backbone plus the part, bf16
+    as SGLang wants), inputs for a few blocks, and the part's own drafts on them (`DominoCorrection.draft`, block by
+    block, from the folder's weights), in fp32 and in bf16 (as SGLang serves), by pool size."""
+    from dataclasses import replace
+
     from dflash_lightning.config import DrafterConfig
     from dflash_lightning.export import hf_config
     from dflash_lightning.model import DFlashDrafter
+    from dflash_lightning.parts.base import DraftInputs
 
     b, v = 6, 300
     cfg = DrafterConfig(num_layers=1, block_size=b, mask_token_id=v - 1, target_layer_ids=[0, 2], hidden_size=H,
                         intermediate_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                         rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=256, vocab_size=v,
-                        num_target_layers=4)
-    settings = DominoSettings(gru_hidden_dim=G, emb_dim=E)
+                        num_target_layers=4, variant="domino", domino=DominoSettings(gru_hidden_dim=G, emb_dim=E))
     config = hf_config(cfg, FOLDER_DTYPE)
-    dflash, top = folder_fields(settings)
-    config["dflash_config"] |= dflash
-    config |= top
     torch.manual_seed(seed)
-    part = domino(seed, v=v).float()
-    backbone = {k: torch.randn_like(v) for k, v in DFlashDrafter(cfg).state_dict().items()}  # no two alike
-    weights = {k: v.bfloat16() for k, v in {**backbone, **part.state_dict()}.items()}
-    part.load_state_dict({k: weights[k].float() for k in part.state_dict()})  # what the folder holds
+    drafter = DFlashDrafter(cfg)
+    part = drafter.parts[0]
+    part.head.load_state_dict(domino(seed, v=v).float().state_dict())
+    state = {k: w if part.owns(k) else torch.randn_like(w) for k, w in drafter.state_dict().items()}  # no two alike
+    weights = {k: w.bfloat16() for k, w in state.items()}
+    drafter.load_state_dict({k: w.float() for k, w in weights.items()})  # what the folder holds
     g = torch.Generator().manual_seed(seed + 1)
     inputs = {"hidden": torch.randn(5, b, H, generator=g) * 2, "first": torch.randint(0, v, (5,), generator=g),
               "embed": torch.randn(v, H, generator=g), "head": torch.randn(v, H, generator=g) / H**0.5}
     pools, ours = [0, 16], {}
     for dtype, key in ((torch.float32, "drafts"), (torch.bfloat16, "drafts_bf16")):
+        part.head.to(dtype)
         hidden, head, embed = (inputs[k].to(dtype) for k in ("hidden", "head", "embed"))
-        logits = hidden[:, : b - 1] @ head.T
-        ours[key] = {pool: greedy_draft(part.to(dtype), hidden[:, : b - 1], logits, inputs["first"], embed, 1, pool)
-                     for pool in pools}
+        ours[key] = {}
+        for pool in pools:
+            part.settings = replace(part.settings, candidate_pool_size=pool)
+            drafts = [part.draft(DraftInputs(hidden[i, : b - 1], hidden[i, : b - 1] @ head.T, inputs["first"][i], None,
+                                             embed, 0.0, None, hidden[i])) for i in range(5)]
+            assert all(d.q is None for d in drafts)  # a point mass: no engine samples Domino drafts
+            ours[key][pool] = torch.stack([d.tokens for d in drafts])
     return {"config": config, "weights": weights, "inputs": inputs, "pools": pools}, ours
 
 

@@ -152,7 +152,8 @@ class ChunkResult:
     """Its weighted term over the rows, sum(w * term) times its loss weight: joins the objective's sum (divided by the
     step's denominator, `Part.loss_denominator`)."""
     logged: Tensor | None = None
-    """A 0-dim sum over the rows to report (divided by the step's denominator like the loss): `HeadOutput.logged`."""
+    """A 0-dim sum over the rows to report, or a few such sums stacked `[n]` (divided by the step's denominator like
+    the loss): `HeadOutput.logged`."""
     grad_hidden: Tensor | None = None
     """d loss / d hidden of the rows from paths that skip the head's matmul (weighted).  # [R, H]"""
     grad_inputs: tuple[Tensor | None, ...] = ()
@@ -277,6 +278,9 @@ class Part(nn.Module):
     """Whether training reads the target's final hidden states (`TrainInputs.final_hidden`)."""
     decodes: ClassVar[bool] = False
     """Whether the part replaces each slot's argmax by its own drafting rule (`draft`); one such part a preset."""
+    samples: ClassVar[bool] = True
+    """Whether its drafting rule samples above temperature 0 (a `Draft.q`); False: point masses at every temperature
+    (Domino: no engine samples its drafts), verified as docs/method.md 6b says."""
     head_rows: ClassVar[int] = 0
     """How many per-row tensors `head_chunk` returns in `ChunkResult.rows`."""
     metric_prefix: ClassVar[str | None] = None
@@ -284,6 +288,9 @@ class Part(nn.Module):
     `name`."""
     top_k: int = 0
     """Unary candidates per row the part reads from the head loop (`HeadChunk.top_ids`); 0: none."""
+    folder_dtype: ClassVar[str | None] = None
+    """The weights' dtype every engine that serves the part requires (Domino: bfloat16, SGLang's): `export` writes it
+    when no dtype is given and refuses another in one line; None: any."""
 
     def __init__(self, config: Any) -> None:
         """`config` is the resolved DrafterConfig; the part's settings are `getattr(config, self.name)`."""
@@ -321,6 +328,12 @@ class Part(nn.Module):
         return cls.weight_prefix is not None and key.startswith(cls.weight_prefix + ".")
 
     # --- training
+    def set_step(self, step: int, total_steps: float | None) -> None:
+        """Before each training step's forward: the optimizer steps done (0 at the first) and the run's total
+        (`RunSettings.total_steps`; None outside a fit). A part whose training changes over the run (Domino's lambda)
+        updates its own 0-dim device tensors here in place, never Python values a compiled graph would bake in.
+        Nothing by default."""
+
     def compile_hooks(self, mode: str | None = None) -> None:
         """Compile the part's own training work in place at fixed shapes (`model.compile`; the head loop, and the
         modules it adds to the layers, are compiled with the backbone's); nothing by default."""
@@ -414,6 +427,17 @@ class Part(nn.Module):
         """Keys the part adds to vLLM's `--speculative-config` in the serve command `export` prints; none by
         default."""
         return {}
+
+    @classmethod
+    def sglang_args(cls, settings: Any) -> list[str]:
+        """Flags the part adds to SGLang's launch command in the serve command `export` prints; none by default."""
+        return []
+
+    @classmethod
+    def serve_notes(cls, settings: Any) -> list[str]:
+        """Lines `export` prints after the serve commands: what an engine does with the part's folder that a user
+        must know (Domino: that vLLM has no runtime for it); none by default."""
+        return []
 
     @classmethod
     def present_fields(cls, dflash: dict[str, Any]) -> list[str]:

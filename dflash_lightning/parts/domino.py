@@ -10,15 +10,29 @@ state after the tokens at p..p+k (the true tokens in training, x_p and the draft
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torchmetrics import Metric
 
+from dflash_lightning.blocks import BlockLayout
 from dflash_lightning.errors import ConfigError
+from dflash_lightning.parts.base import (
+    ChunkResult,
+    Correction,
+    Draft,
+    DraftInputs,
+    HeadChunk,
+    HeadOutput,
+    Part,
+    PartOutput,
+    RunSettings,
+    TrainInputs,
+)
 
 PROJECTOR_TYPE = "domino"
 """dflash_config.projector_type of a Domino folder (SGLang builds the GRU and the projector for this value only)."""
@@ -197,7 +211,7 @@ def weight_shapes(settings: DominoSettings, hidden_size: int, vocab_size: int) -
             "embed_proj.0.weight": (e, hidden_size + g), "embed_proj.2.weight": (vocab_size, e)}
 
 
-# ---- training: prefix states and the corrected loss, chunked ----------------------------------------------------
+# ---- training: the prefix states (the loss is the head loop's, `DominoCorrection`) ------------------------------
 
 
 def prefix_states(domino: DominoHead, embed_weight: Tensor, block_tokens: Tensor) -> Tensor:
@@ -212,154 +226,6 @@ def prefix_states(domino: DominoHead, embed_weight: Tensor, block_tokens: Tensor
 def corrected_slots(block_size: int, pure: int, device: torch.device | str | None = None) -> Tensor:
     """Which slots take the correction: k >= P.  # [B] bool"""
     return torch.arange(block_size, device=device) >= pure
-
-
-class ChunkTerms(NamedTuple):
-    """What one chunk of rows gives the loss: sums over its rows (weighted) and the gradients they make."""
-
-    loss: Tensor
-    """sum(w ((1 - lambda) CE_final + lambda CE_base)).  # 0-dim"""
-    ce_final: Tensor
-    """sum(w CE_final), no gradient (logged).  # 0-dim"""
-    ce_base: Tensor
-    """sum(w CE_base), no gradient (logged).  # 0-dim"""
-    grad_hidden: Tensor
-    """d loss / d hidden of the rows, both paths: through the head and through the projector.  # [R, H]"""
-    grad_states: Tensor
-    """d loss / d s of the rows (zero where the slot keeps the pure head).  # [R, G]"""
-    grad_proj_in: Tensor
-    """d loss / d embed_proj.0.weight, fp32.  # [E, H + G]"""
-    grad_proj_out: Tensor
-    """d loss / d embed_proj.2.weight, fp32.  # [V, E]"""
-    right: Tensor
-    """Per row: whether argmax f, and argmax head(h), is the label.  # [R, 2] bool"""
-
-
-def _ce_softmax_(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
-    """CE of rows `logits [R, V]` against `labels [R, 1]` and whether their argmax is the label; turns `logits` into
-    their softmax IN PLACE (no second `[R, V]` tensor).  # [R], [R]"""
-    picked = logits.gather(1, labels)[:, 0]
-    right = logits.argmax(-1) == labels[:, 0]
-    top = logits.amax(-1, keepdim=True)
-    total = logits.sub_(top).exp_().sum(-1, keepdim=True)
-    logits.div_(total)
-    return (top + total.log())[:, 0] - picked, right
-
-
-def domino_chunk(
-    hidden: Tensor, states: Tensor, labels: Tensor, weights: Tensor, corrected: Tensor, lam: Tensor, head: Tensor,
-    head_t: Tensor, proj_in: Tensor, proj_out: Tensor,
-) -> ChunkTerms:
-    """Domino's objective on one chunk of rows and its gradients, made in the forward pass as the head loop makes
-    section 4's (docs/method.md 13; loss.py).
-
-    Rows: `hidden [R, H]` (compute dtype: bf16 under bf16-mixed, fp32, fp64 in tests) and `states [R, G]`, `labels
-    [R]`, slot weights `[R]`, `corrected [R]` (slot >= P), `lam` the base loss's weight (a 0-dim tensor, so a compiled
-    loop takes every step's value without recompiling). `head [V, H]` and `head_t [H, V]` as the loop uses them (FP8
-    possibly). Only two fp32 `[R, V]` buffers exist at once, b = head(h) and f = b + c, each turned in place into
-    its softmax, then into the weighted gradient of b and of c:
-        d/db = (1 - lambda) w (softmax f - onehot) + lambda w (softmax b - onehot),  d/dc = (1 - lambda) w (softmax f
-        - onehot) on corrected rows.
-    The matmuls run in the compute dtype, the sums in fp32 (fp64 in tests).
-    """
-    with torch.autocast(hidden.device.type, enabled=False):
-        cdt = hidden.dtype
-        acc = torch.promote_types(cdt, torch.float32)
-        y = labels[:, None]
-        w = weights.to(acc)
-        lam = lam.to(acc)
-        keep = corrected.to(cdt)[:, None]  # [R, 1]: the pure rows' correction is 0, and so are its gradients
-        x = torch.cat([hidden, states.to(cdt)], -1)  # [R, H + G]
-        u = F.linear(x, proj_in.to(cdt))  # [R, E]
-        a = F.silu(u) * keep  # [R, E]
-        base = F.linear(hidden, head).to(acc)  # [R, V] b
-        c = F.linear(a, proj_out.to(cdt))  # [R, V]
-        final = c.add_(base) if c.dtype == acc else base + c  # [R, V] f = b + c (a bf16 c is promoted, then freed)
-        del c
-        ce_final, right_final = _ce_softmax_(final, y)
-        ce_base, right_base = _ce_softmax_(base, y)
-        final.scatter_add_(1, y, torch.full_like(final[:, :1], -1))  # softmax f - onehot
-        base.scatter_add_(1, y, torch.full_like(base[:, :1], -1))  # softmax b - onehot
-        final.mul_(((1 - lam) * w)[:, None])  # weighted d loss / d f: d/dc, and its share of d/db
-        base.mul_((lam * w)[:, None]).add_(final)  # weighted d loss / d b
-        grad_hidden = F.linear(base.to(head.dtype), head_t).to(acc)  # [R, H]
-        del base
-        d_c = final.to(cdt)  # [R, V]
-        del final
-        grad_proj_out = (d_c.T @ a).to(acc)  # [V, E]; pure rows have a = 0
-        d_a = d_c @ proj_out.to(cdt)  # [R, E]
-        del d_c
-        sig = torch.sigmoid(u)
-        d_u = d_a * keep * sig * (1 + u * (1 - sig))  # silu'(u) = sigmoid(u) (1 + u (1 - sigmoid(u)))
-        grad_proj_in = (d_u.T @ x).to(acc)  # [E, H + G]
-        d_x = (d_u @ proj_in.to(cdt)).to(acc)  # [R, H + G]
-        h_size = hidden.shape[1]
-        loss = (w * ((1 - lam) * ce_final + lam * ce_base)).sum()
-        return ChunkTerms(loss, (w * ce_final).sum(), (w * ce_base).sum(), grad_hidden + d_x[:, :h_size],
-                          d_x[:, h_size:], grad_proj_in, grad_proj_out, torch.stack([right_final, right_base], -1))
-
-
-class _DominoHeadLoss(torch.autograd.Function):
-    """The chunked loop of `domino_head_loss`: `domino_chunk` over chunks of whole blocks, the gradients kept for
-    the backward pass."""
-
-    @staticmethod
-    def forward(ctx, hidden: Tensor, states: Tensor, proj_in: Tensor, proj_out: Tensor, head: Tensor,
-                head_t: Tensor, labels: Tensor, weights: Tensor, corrected: Tensor, lam: Tensor, rows: int):
-        n = hidden.shape[0]
-        acc = torch.promote_types(hidden.dtype, torch.float32)
-        grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)  # [N, H]
-        grad_states = torch.empty(states.shape, dtype=states.dtype, device=states.device)  # [N, G]
-        grad_in = torch.zeros(proj_in.shape, dtype=acc, device=proj_in.device)
-        grad_out = torch.zeros(proj_out.shape, dtype=acc, device=proj_out.device)
-        total, ce_final, ce_base = (torch.zeros((), dtype=acc, device=hidden.device) for _ in range(3))
-        right = []
-        for start in range(0, n, rows):
-            end = min(start + rows, n)
-            t = domino_chunk(hidden[start:end], states[start:end], labels[start:end], weights[start:end],
-                             corrected[start:end], lam, head, head_t, proj_in, proj_out)
-            total, ce_final, ce_base = total + t.loss, ce_final + t.ce_final, ce_base + t.ce_base
-            grad_hidden[start:end] = t.grad_hidden.to(grad_hidden.dtype)
-            grad_states[start:end] = t.grad_states.to(grad_states.dtype)
-            grad_in += t.grad_proj_in
-            grad_out += t.grad_proj_out
-            right.append(t.right)
-        right = torch.cat(right)
-        ctx.save_for_backward(grad_hidden, grad_states, grad_in, grad_out)
-        ctx.dtypes = (proj_in.dtype, proj_out.dtype)
-        ctx.mark_non_differentiable(ce_final, ce_base, right)
-        return total, ce_final, ce_base, right
-
-    @staticmethod
-    def backward(ctx, grad_loss: Tensor, *_rest: Tensor):
-        grad_hidden, grad_states, grad_in, grad_out = ctx.saved_tensors
-        g = grad_loss.float() if grad_loss.dtype != torch.float64 else grad_loss
-        return (grad_hidden * grad_loss.to(grad_hidden.dtype), grad_states * grad_loss.to(grad_states.dtype),
-                (grad_in * g).to(ctx.dtypes[0]), (grad_out * g).to(ctx.dtypes[1]), *[None] * 7)
-
-
-def domino_head_loss(
-    hidden: Tensor, states: Tensor, domino: DominoHead, head_weight: Tensor, labels: Tensor, weights: Tensor,
-    lam: Tensor | float, block_size: int, pure: int = 1, chunk: int = 4096, head_t: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """sum(w ((1 - lambda) CE(f) + lambda CE(head(h)))) over rows `hidden [N, H]` (every slot of whole blocks of
-    `block_size`, anchor-first), with gradients to `hidden`, `states [N, G]` (and through them the GRU) and the
-    projector; also sum(w CE(f)), sum(w CE(b)) and per row whether f's and b's argmax are the label `[N, 2]`.
-
-    The caller divides the sums by the (rank-mean) weight sum, one denominator for both terms (section 13). Chunks
-    hold `chunk // block_size` whole blocks; `head_weight [V, H]` is the frozen head (`head_t` its transpose as the
-    loop has it, FP8 possibly).
-    """
-    if hidden.shape[0] % block_size:
-        raise ValueError(f"{hidden.shape[0]} rows are not whole blocks of {block_size}")
-    if head_t is None:
-        head_weight = head_weight.to(hidden.dtype)
-        head_t = head_weight.T
-    rows = max(1, chunk // block_size) * block_size
-    corrected = corrected_slots(block_size, pure, hidden.device).repeat(hidden.shape[0] // block_size)  # [N]
-    lam = torch.as_tensor(lam, device=hidden.device)
-    return _DominoHeadLoss.apply(hidden, states, domino.proj_in, domino.proj_out, head_weight, head_t, labels, weights,
-                                 corrected, lam, rows)
 
 
 # ---- decoding ---------------------------------------------------------------------------------------------------
@@ -456,13 +322,6 @@ def read_folder_fields(dflash: dict[str, Any], top: dict[str, Any], source: str)
     return settings
 
 
-def check_folder_dtype(dtype: str, source: str) -> None:
-    """Refuse a Domino folder in any dtype but bf16, which SGLang 0.5.23 requires of the projector (and the target)."""
-    if dtype != FOLDER_DTYPE:
-        raise ConfigError(f"{source}: a Domino folder is served by SGLang only in {FOLDER_DTYPE} (its runtime refuses "
-                          f"{dtype} projector weights); export it with dtype {FOLDER_DTYPE}")
-
-
 def sglang_flags(settings: DominoSettings) -> list[str]:
     """What SGLang's launch command adds for a Domino folder beside `--speculative-algorithm DFLASH`: the candidate
     pool drafting was evaluated with, when it is not SGLang's default."""
@@ -520,9 +379,191 @@ class DominoMetrics(Metric):
         return out
 
 
+class Curriculum(nn.Module):
+    """lambda of the step, a 0-dim device tensor set in place (`DominoCorrection.set_step`): a compiled head loop
+    reads each step's value without recompiling. A non-persistent buffer: it moves with the drafter, is never saved."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("lam", torch.zeros(()), persistent=False)
+
+
+LAYOUT = BlockLayout(anchor_first=True, last_slot_drafts=False, gamma=7.0)
+"""Section 13's block: section 12's anchor-first block (slot k predicts p + k + 1, all B slots trained) whose slots
+0..B-2 draft (B - 1 drafts verified as a fill-in block's are); w_k = exp(-k / 7) unless gamma is set."""
+
+
+class DominoCorrection(Part):
+    """Domino's prefix GRU and projector, placed as the folder names them (`prefix_gru.*`, `embed_proj.*`), on the
+    anchor-first block whose last slot is not drafted; its loss is the head loop's CE on f = head(h) + c, with the
+    base logits' CE beside it (`logit_correction`), lambda fed each step (`set_step`)."""
+
+    name = "domino"
+    settings_type = DominoSettings
+    config_fields: ClassVar[dict[str, str]] = {
+        "pure_draft_prefix_len": "pure_draft_prefix_len", "gru_hidden_dim": "gru_hidden_dim", "emb_dim": "emb_dim"}
+    """The shape fields; `projector_type` and `shift_label` (constants) join them in `export_fields`."""
+    weight_prefix = None
+    layout = LAYOUT
+    # fp8_exempt stays false: the projector's weights are only ever read by hand (F.linear on `.weight`), never
+    # through its modules' forward, so an FP8 training linear in their place computes nothing differently.
+    decodes = True
+    samples = False  # SGLang drafts greedily at every temperature
+    head_rows = 1
+    top_k = 1  # f's argmax, for the per-slot hits
+    folder_dtype = FOLDER_DTYPE
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        s = self.settings
+        self.block_size = config.block_size
+        self.head = DominoHead(config.hidden_size, config.vocab_size, s.gru_hidden_dim, s.emb_dim)
+        self.curriculum = Curriculum()
+        self.prefix_states = prefix_states  # compiled in place by `compile_hooks`
+
+    def attach(self, drafter: nn.Module) -> None:
+        in_loop = [type(p).__name__ for p in drafter.parts
+                   if p is not self and type(p).head_chunk is not Part.head_chunk]
+        if in_loop:  # the loop turns the logits into their gradients in place: nothing else may read them
+            raise ValueError(f"Domino's correction cannot share the head loop with {', '.join(in_loop)}")
+        drafter.add_module("prefix_gru", self.head.prefix_gru)
+        drafter.add_module("embed_proj", self.head.embed_proj)
+        drafter.add_module("domino_curriculum", self.curriculum)  # no weights: only so that lambda moves with it
+
+    @classmethod
+    def owns(cls, key: str) -> bool:
+        return key.startswith(("prefix_gru.", "embed_proj."))
+
+    @classmethod
+    def check_run(cls, settings: DominoSettings, run: RunSettings) -> None:
+        """Section 13's loss is the CE of the data tokens over exp(-k / gamma) slot weights, and its curriculum falls
+        over the run's real total of optimizer steps (refused where the run has none, never silently off)."""
+        if run.objective != "ce" or run.loss_weights != "decay":
+            raise ConfigError(f"model.objective={run.objective}, model.loss_weights={run.loss_weights}: Domino "
+                              f"(model.drafter.domino) trains with section 13's loss: set model.objective=ce and "
+                              f"model.loss_weights=decay")
+        total = run.total_steps
+        if settings.needs_total_steps and total is not None and not 1 <= total < math.inf:
+            raise ConfigError(f"model.drafter.domino.lambda_base_start={settings.lambda_base_start}: the base-to-final "
+                              f"curriculum falls over the run's total optimizer steps, and this run has "
+                              f"{'no end' if total == math.inf else f'{total:g}'}; set trainer.max_steps (or "
+                              f"trainer.max_epochs), or model.drafter.domino.lambda_base_start=0 to train the "
+                              f"final loss alone")
+
+    def reset_parameters(self) -> None:
+        self.head.reset_parameters()
+
+    # --- training: the GRU states by autograd before the loop, the projector's gradients by hand inside it
+    def set_step(self, step: int, total_steps: float | None) -> None:
+        """lambda of this optimizer step; left as it is outside a fit with a known end (`check_run` refuses a fit
+        without one)."""
+        s = self.settings
+        if total_steps is None or not math.isfinite(total_steps):
+            return
+        self.curriculum.lam.fill_(lambda_base(step, int(total_steps), s.lambda_base_start, s.lambda_base_decay_ratio))
+
+    def compile_hooks(self, mode: str | None = None) -> None:
+        self.prefix_states = torch.compile(prefix_states, mode=mode, dynamic=False)
+
+    def head_params(self) -> tuple[Tensor, ...]:
+        return self.head.proj_in, self.head.proj_out
+
+    def head_inputs(self, batch: TrainInputs) -> tuple[Tensor, ...]:
+        """Per row the GRU state s_k over the block's true tokens t_p..t_{p+k} (with its gradient to the GRU), and
+        lambda (0-dim)."""
+        tokens = batch.input_ids[batch.before]  # [A, B]: the token before each slot's label, t_{p+k}
+        states = self.prefix_states(self.head, batch.embed_weight, tokens)  # [A, B, G]
+        return states.flatten(0, 1), self.curriculum.lam
+
+    def _rows(self, hidden: Tensor, states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x = [h; s], u = embed_proj.0(x) and where a row is corrected (slot >= P), in `hidden`'s dtype.
+        # [R, H + G], [R, E], [R, 1]"""
+        x = torch.cat([hidden, states.to(hidden.dtype)], -1)
+        u = F.linear(x, self.head.proj_in.to(x.dtype))
+        keep = corrected_slots(self.block_size, self.settings.pure_draft_prefix_len, x.device)
+        return x, u, keep.repeat(x.shape[0] // self.block_size)[:, None].to(x.dtype)
+
+    def logit_correction(self, rows: tuple[Tensor, ...], hidden: Tensor, like: Tensor) -> Correction:
+        """c = embed_proj([h; s]) on slots >= P, 0 below; lambda the base logits' share."""
+        states, lam = rows
+        with torch.autocast(hidden.device.type, enabled=False):
+            _, u, keep = self._rows(hidden, states)
+            c = F.linear(F.silu(u) * keep, self.head.proj_out.to(u.dtype))  # [R, V]
+        return Correction(c.to(like.dtype), lam)
+
+    def head_chunk(self, chunk: HeadChunk) -> ChunkResult:
+        """d/dc (the loop's, weighted here in place) to the projector's weights, the rows' hidden states and their
+        GRU states. Logged: sum w CE(f), sum w CE(b); rows out: per row (f's argmax right, b's argmax right)."""
+        states, _ = chunk.rows
+        w = chunk.weights
+        with torch.autocast(chunk.hidden.device.type, enabled=False):
+            x, u, keep = self._rows(chunk.hidden, states)
+            dt = x.dtype  # the compute dtype: the matmuls run in it, the weights' gradients add up in fp32
+            sig = torch.sigmoid(u)
+            a = u * sig * keep  # [R, E] silu(u) on corrected rows
+            d_c = chunk.d_correction.mul_(w[:, None]).to(dt)  # [R, V] weighted d loss / dc
+            grad_in, grad_out = chunk.grads
+            grad_out.add_(d_c.T @ a)
+            d_a = d_c @ self.head.proj_out.to(dt)  # [R, E]
+            del d_c
+            d_u = d_a * keep * sig * (1 + u * (1 - sig))  # silu'(u) = sigmoid(u) (1 + u (1 - sigmoid(u)))
+            grad_in.add_(d_u.T @ x)
+            d_x = d_u @ self.head.proj_in.to(dt)  # [R, H + G]
+            h = chunk.hidden.shape[1]
+            right = torch.stack([chunk.top_ids[:, 0] == chunk.labels, chunk.base_ids == chunk.labels], -1)
+            logged = torch.stack([(w * chunk.ce).sum(), (w * chunk.base_ce).sum()])
+            return ChunkResult(logged=logged, grad_hidden=d_x[:, :h], grad_inputs=(d_x[:, h:],), rows=(right,))
+
+    def loss(self, batch: TrainInputs, head: HeadOutput | None, settings: Any) -> PartOutput:
+        rows = head.rows[0].unflatten(0, batch.labels.shape)  # [A, B, 2]: every slot trains
+        final, base = head.logged
+        return PartOutput(logs={"domino/ce": final, "domino/base_ce": base, "domino/lambda": self.curriculum.lam},
+                          rows=rows)
+
+    @classmethod
+    def metric(cls, block_size: int) -> Metric:
+        return DominoMetrics(block_size)
+
+    # --- decoding
+    def draft(self, inputs: DraftInputs) -> Draft:
+        """SGLang's greedy rollout over the drafting slots 0..B-2 (`greedy_draft`), with the candidate pool of
+        `candidate_pool_size`. No engine samples Domino drafts: at every temperature q is a point mass on this chain
+        (None), verified as section 6b says."""
+        s = self.settings
+        tokens = greedy_draft(self.head, inputs.hidden[None], inputs.logits[None], inputs.first_prev.reshape(1),
+                              inputs.embed_weight, s.pure_draft_prefix_len, s.candidate_pool_size)
+        return Draft(tokens[0])
+
+    # --- export and import: the folder SGLang loads (section 13)
+    @classmethod
+    def export_fields(cls, settings: DominoSettings, config: Any = None) -> dict[str, Any]:
+        return folder_fields(settings)[0]
+
+    @classmethod
+    def top_level_fields(cls, settings: DominoSettings, config: Any = None) -> dict[str, Any]:
+        return folder_fields(settings)[1]
+
+    @classmethod
+    def sglang_args(cls, settings: DominoSettings) -> list[str]:
+        return sglang_flags(settings)
+
+    @classmethod
+    def serve_notes(cls, settings: DominoSettings) -> list[str]:
+        return [VLLM_NOTE]
+
+    @classmethod
+    def present_fields(cls, dflash: dict[str, Any]) -> list[str]:
+        """A folder is Domino's where its projector_type says so (SGLang ignores other values)."""
+        return ["projector_type"] if is_domino_folder(dflash) else []
+
+    @classmethod
+    def read_fields(cls, dflash: dict[str, Any], source: str) -> DominoSettings:
+        return read_folder_fields(dflash, dflash, source)
+
+
 __all__ = [
-    "FOLDER_DTYPE", "PROJECTOR_TYPE", "SGLANG_POOL", "VLLM_NOTE", "ChunkTerms", "DominoHead", "DominoMetrics",
-    "DominoSettings", "PrefixGRU", "check_folder_dtype", "corrected_slots", "domino_chunk", "domino_head_loss",
-    "folder_fields", "greedy_draft", "gru_states", "gru_step", "is_domino_folder", "lambda_base", "prefix_states",
-    "read_folder_fields", "sglang_flags", "weight_shapes",
+    "FOLDER_DTYPE", "LAYOUT", "PROJECTOR_TYPE", "SGLANG_POOL", "VLLM_NOTE", "Curriculum", "DominoCorrection",
+    "DominoHead", "DominoMetrics", "DominoSettings", "PrefixGRU", "corrected_slots", "folder_fields", "greedy_draft",
+    "gru_states", "gru_step", "is_domino_folder", "lambda_base", "prefix_states", "read_folder_fields",
+    "sglang_flags", "weight_shapes",
 ]
