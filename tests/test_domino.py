@@ -568,6 +568,42 @@ def test_the_run_is_checked_and_lambda_fed_each_step_from_the_module(tiny_target
         assert module.drafter.parts[0].curriculum.lam is lam
 
 
+def test_compiled_domino_step_equals_the_eager_one_without_recompiling(tiny_target, monkeypatch):
+    """`model.compile` compiles the layers, the head loop with the correction and the GRU states
+    (`Part.compile_hooks`): the same loss and gradients as eager, and steps of other anchors and another lambda reuse
+    the graphs (lambda is the same 0-dim tensor, set in place). Traced through AOT autograd without inductor's code
+    generation (2 minutes on 2 CPU cores; test_module compiles a step with it)."""
+    import functools
+
+    from test_module import batch_with_features
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    modules = []
+    for compile in (False, True):
+        torch.manual_seed(0)
+        module = domino_module(tiny_target, compile=compile)
+        module.configure_model()
+        modules.append(module)
+    eager, compiled = modules
+    compiled.load_state_dict(eager.state_dict())
+    batch = batch_with_features(tiny_target, eager.drafter_config.target_layer_ids)
+    counters.clear()
+    for seed, step in ((3, 0), (4, 3)):
+        outs = []
+        for m in (eager, compiled):
+            m.drafter.parts[0].set_step(step, 6)
+            outs.append(m.step(batch, generator=torch.Generator().manual_seed(seed)))
+            m.drafter.zero_grad()
+            outs[-1].loss.backward()
+        torch.testing.assert_close(outs[0].loss, outs[1].loss, rtol=1e-5, atol=1e-5)
+        for name in ("embed_proj.2.weight", "prefix_gru.weight_hh_l0", "fc.weight"):
+            grads = [m.drafter.get_parameter(name).grad for m in (eager, compiled)]
+            torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-6)
+    assert compiled.drafter.parts[0].prefix_states is not eager.drafter.parts[0].prefix_states
+    assert not counters["recompiles"] and not counters["graph_break"], dict(counters)
+
+
 def test_export_writes_sglangs_bf16_folder_and_says_vllm_has_no_runtime(tiny_target, tmp_path, capsys):
     """`export` of a Domino checkpoint: bf16 weights whatever it trained in (another dtype asked for is refused in
     one line), the SGLang command (DFLASH, the block size, the candidate pool when not SGLang's), no vLLM command and
