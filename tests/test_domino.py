@@ -604,6 +604,55 @@ def test_compiled_domino_step_equals_the_eager_one_without_recompiling(tiny_targ
     assert not counters["recompiles"] and not counters["graph_break"], dict(counters)
 
 
+def stepped(tiny_target, **kw):
+    """A built Domino module at step 1 of 4 (lambda 0.75)."""
+    torch.manual_seed(0)
+    module = domino_module(tiny_target, **kw)
+    module.configure_model()
+    module.drafter.parts[0].set_step(1, 4)
+    return module
+
+
+def test_bf16_compute_follows_the_fp32_step(tiny_target):
+    """The module's step of a Domino drafter under bf16 autocast over fp32 weights (bf16-mixed) stays near the fp32
+    step, with fp32 gradients of the GRU and the projector."""
+    from test_module import batch_with_features
+
+    module = stepped(tiny_target)
+    batch = batch_with_features(tiny_target, module.drafter_config.target_layer_ids)
+    reference = module.step(batch, generator=torch.Generator().manual_seed(1)).loss
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = module.step(batch, generator=torch.Generator().manual_seed(1)).loss
+    loss.backward()
+    for w in (module.drafter.embed_proj[2].weight, module.drafter.prefix_gru.weight_hh_l0):
+        assert w.grad.dtype == torch.float32 and w.grad.abs().sum() > 0
+    torch.testing.assert_close(loss.float(), reference, rtol=2e-2, atol=0)
+
+
+@pytest.mark.skipif(not torch._C._dispatch_has_kernel_for_dispatch_key("aten::_scaled_mm", "CPU"),
+                    reason="no CPU kernel of aten::_scaled_mm (FP8 matmul) in this torch: FP8 runs on Hopper GPUs")
+def test_fp8_follows_the_bf16_step(tiny_target, monkeypatch):
+    """`model.fp8=all` (torchao's CPU path): the loss near the bf16 one; the projector's weights, read by hand, get
+    their gradients."""
+    pytest.importorskip("torchao")
+    from test_module import batch_with_features
+
+    monkeypatch.setattr("dflash_lightning.module.require_fp8", lambda *args: None)
+    losses, state, batch = [], None, None
+    for fp8 in ("none", "all"):
+        module = stepped(tiny_target, fp8=fp8)
+        state = state or module.state_dict()
+        module.load_state_dict(state)
+        module.to(torch.bfloat16)
+        batch = batch or batch_with_features(tiny_target, module.drafter_config.target_layer_ids)
+        out = module.step(batch, generator=torch.Generator().manual_seed(1))
+        out.loss.backward()
+        assert module.drafter.embed_proj[0].weight.grad.abs().sum() > 0
+        losses.append(out.loss.float())
+    assert module.drafter.head_fp8 is not None and not torch.equal(*losses)  # FP8 did run
+    torch.testing.assert_close(losses[1], losses[0], rtol=2e-2, atol=0)
+
+
 def test_export_writes_sglangs_bf16_folder_and_says_vllm_has_no_runtime(tiny_target, tmp_path, capsys):
     """`export` of a Domino checkpoint: bf16 weights whatever it trained in (another dtype asked for is refused in
     one line), the SGLang command (DFLASH, the block size, the candidate pool when not SGLang's), no vLLM command and
