@@ -18,6 +18,11 @@ DSpark against DFlash2 at the tiny default's block size (issue 37; not yet run):
     python benchmarks/objective_ab.py --recipes dflash2-dpace-ce,dspark --temperatures 0,0.6,1 --device cuda \
         --out benchmarks/results/tiny-dspark-ab.json
 
+Domino against DFlash2 and DSpark at the tiny default's block size (issue 44; not yet run):
+
+    python benchmarks/objective_ab.py --recipes dflash2-dpace-ce,dspark,domino --temperatures 0,0.6,1 --device cuda \
+        --out benchmarks/results/tiny-domino-ab.json
+
 Features from an FP8 target against a bf16 one (issue 26), on a Hopper GPU:
 
     python benchmarks/objective_ab.py --recipes target-bf16,target-fp8 --device cuda --jobs 6 --threads 2 --out X.json
@@ -50,6 +55,10 @@ RECIPES = {
     "dflash2-dpace-ce": {"model.objective": "ce", "model.loss_weights": "dpace", "model.drafter.variant": "dflash2"},
     # DSpark (docs/dspark.md): its own loss (decay weights exp(-k/4), reads the target's final hidden states)
     "dspark": {"model.objective": "ce", "model.loss_weights": "decay", "model.drafter.variant": "dspark"},
+    # Domino (docs/domino.md): its own loss (CE on the corrected and the base logits, lambda 1 -> 0 over the run,
+    # decay weights exp(-k/7)); GRU and projector at ModelOpt's proportions to the width (1024 and 256 of 4096)
+    "domino": {"model.objective": "ce", "model.loss_weights": "decay", "model.drafter.variant": "domino",
+               "model.drafter.domino.gru_hidden_dim": 32, "model.drafter.domino.emb_dim": 8},
     # LiLiCorr (docs/lilicorr.md) with the lattice at the tiny drafter's width (the recipe's 1024 is 8x the drafter)
     "lilicorr-dpace-ce": {**DPACE, "model.drafter.variant": "lilicorr", **TINY_LATTICE},
     "lilicorr-conv-dpace-ce": {**DPACE, "model.drafter.variant": "lilicorr-conv", **TINY_LATTICE},
@@ -129,11 +138,12 @@ def one_run(name: str, seed: int, work: Path, base: dict, config_name: str, thre
     return record
 
 
-PART_METRICS = ("train/selector", "train/lilicorr", "train/dspark")  # the parts' own metrics (docs/parts.md)
+PART_METRICS = ("train/selector", "train/lilicorr", "train/dspark", "train/domino")  # the parts' own (docs/parts.md)
 
 
 def _last_selector_metrics(run_dir: Path) -> dict:
-    """The last logged values of the parts' metrics (DFlash2's selector, LiLiCorr's lattice, DSpark's heads) and of
+    """The last logged values of the parts' metrics (DFlash2's selector, LiLiCorr's lattice, DSpark's heads, Domino's
+    correction) and of
     train/tau, val/tau and val/loss in a run's CSV log."""
     import csv
 

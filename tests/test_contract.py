@@ -32,6 +32,7 @@ from dflash_lightning.hf.modeling_dflash import __all__ as REMOTE_CLASSES
 from dflash_lightning.model import DFlashDrafter
 from dflash_lightning.module import DFlashModule, warm_start
 from dflash_lightning.parts.convolutions import ConvSettings
+from dflash_lightning.parts.domino import DominoSettings
 from dflash_lightning.parts.dspark import DSparkSettings
 from dflash_lightning.parts.lilicorr import LiLiCorrSettings
 from dflash_lightning.parts.presets import ALL_PARTS, PRESETS, Preset, preset
@@ -44,6 +45,7 @@ TINY = {
     "selector": SelectorSettings(rank=4, top_k=3),
     "lilicorr": LiLiCorrSettings(candidate_topk=4, hidden_size=16, factor_dim=8, num_layers=1, num_heads=2),
     "dspark_heads": DSparkSettings(markov_rank=4),
+    "domino": DominoSettings(gru_hidden_dim=8, emb_dim=4),
 }
 """Settings of every part small enough for the tiny targets (width 32 or 64, vocabulary 5 or 69)."""
 VARIANTS = list(PRESETS)
@@ -97,7 +99,7 @@ def test_parts_that_name_different_layouts_cannot_share_a_preset():
     preset is made."""
     fill_in, anchor_first = (part for part in ALL_PARTS if part.layout is None), [
         part for part in ALL_PARTS if part.layout is not None]
-    assert Preset((next(fill_in), *anchor_first), "X").layout == anchor_first[0].layout
+    assert Preset((next(fill_in), anchor_first[0]), "X").layout == anchor_first[0].layout
     other = type("Other", (anchor_first[0],), {"layout": replace(anchor_first[0].layout, last_slot_drafts=False)})
     with pytest.raises(ValueError, match="the parts of a preset name different block layouts: "):
         Preset((anchor_first[0], other), "X")
@@ -151,16 +153,23 @@ def test_serve_commands_follow_the_preset_and_its_layout(folders, variant, monke
     drafter, folder = folders[variant]
     cfg, row = drafter.config, drafter.config.preset
     commands = serve_commands(folder, cfg, "T")
-    spec = json.loads(commands["vllm"].split("--speculative-config ", 1)[1].strip("'"))
-    extra = {k: v for part in row.parts for k, v in part.speculative_config(getattr(cfg, part.name)).items()}
-    assert spec == {"method": row.vllm_method, "model": str(folder),
-                    "num_speculative_tokens": cfg.layout.drafts(cfg.block_size), **extra}
+    assert ("vllm" in commands) == (row.vllm_method is not None)
+    if row.vllm_method is not None:
+        spec = json.loads(commands["vllm"].split("--speculative-config ", 1)[1].strip("'"))
+        extra = {k: v for part in row.parts for k, v in part.speculative_config(getattr(cfg, part.name)).items()}
+        assert spec == {"method": row.vllm_method, "model": str(folder),
+                        "num_speculative_tokens": cfg.layout.drafts(cfg.block_size), **extra}
+    flags = [flag for part in row.parts for flag in part.sglang_args(getattr(cfg, part.name))]
+    assert commands["sglang"].endswith(" ".join([f"--speculative-{row.sglang_algorithm.lower()}-block-size "
+                                                 f"{cfg.block_size}", *flags]))
     assert f"--speculative-algorithm {row.sglang_algorithm} " in commands["sglang"]
     monkeypatch.setitem(PRESETS, variant, replace(row, vllm_method=None))
     print_serve_commands(folder, cfg, "T", "bfloat16")
     printed = capsys.readouterr().out
     assert "vllm serve" not in printed and "vLLM: no runtime serves this drafter" in printed
     assert "sglang.launch_server" in printed
+    notes = [note for part in row.parts for note in part.serve_notes(getattr(cfg, part.name))]
+    assert all(f"\n{note}\n" in printed for note in notes)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -294,8 +303,11 @@ def test_greedy_decoding_is_lossless_with_each_parts_served_report(tiny_target, 
         assert part.served_report(report["prompts"]).items() <= report.items(), part.name
 
 
-SAMPLERS = {part.name: variant for variant in reversed(VARIANTS) for part in preset(variant).parts if part.decodes}
-"""Each drafting part, in the first preset that has it (its q is the part's, whatever else the preset holds)."""
+SAMPLERS = {part.name: variant for variant in reversed(VARIANTS) for part in preset(variant).parts
+            if part.decodes and part.samples}
+"""Each drafting part that samples (its `Draft.q`), in the first preset that has it (its q is the part's, whatever
+else the preset holds); one that drafts point masses at every temperature is held to section 6b by the greedy test
+and test_speculative.py's table of point-mass drafts."""
 
 
 @pytest.mark.parametrize("variant", SAMPLERS.values(), ids=list(SAMPLERS))

@@ -14,6 +14,7 @@ from dflash_lightning.blocks import FILL_IN, BlockLayout
 from dflash_lightning.errors import ConfigError
 from dflash_lightning.parts.base import Part
 from dflash_lightning.parts.convolutions import BlockConvolutions
+from dflash_lightning.parts.domino import DominoCorrection
 from dflash_lightning.parts.dspark import DSparkHeads
 from dflash_lightning.parts.lilicorr import LiLiCorrReranker
 from dflash_lightning.parts.selector import CandidateSelector
@@ -59,6 +60,8 @@ PRESETS: dict[str, Preset] = {
     "dspark": Preset((DSparkHeads,), "Qwen3DSparkModel", vllm_method="dspark",
                      sglang_algorithm="DSPARK",
                      summary="anchor-first blocks + Markov and confidence heads (section 12)"),
+    "domino": Preset((DominoCorrection,), "DFlashDraftModel", vllm_method=None,
+                     summary="anchor-first blocks + a GRU prefix correction of the logits (section 13)"),
 }
 """Variant name -> preset. A new variant is a new row; a new kind of part is a new module in parts/."""
 DEFAULT_VARIANT = "dflash"
