@@ -18,6 +18,11 @@ DSpark against DFlash2 at the tiny default's block size (issue 37; not yet run):
     python benchmarks/objective_ab.py --recipes dflash2-dpace-ce,dspark --temperatures 0,0.6,1 --device cuda \
         --out benchmarks/results/tiny-dspark-ab.json
 
+Domino against DFlash2 and DSpark at the tiny default's block size (issue 44; not yet run):
+
+    python benchmarks/objective_ab.py --recipes dflash2-dpace-ce,dspark,domino --temperatures 0,0.6,1 --device cuda \
+        --out benchmarks/results/tiny-domino-ab.json
+
 Features from an FP8 target against a bf16 one (issue 26), on a Hopper GPU:
 
     python benchmarks/objective_ab.py --recipes target-bf16,target-fp8 --device cuda --jobs 6 --threads 2 --out X.json
@@ -50,6 +55,10 @@ RECIPES = {
     "dflash2-dpace-ce": {"model.objective": "ce", "model.loss_weights": "dpace", "model.drafter.variant": "dflash2"},
     # DSpark (docs/dspark.md): its own loss (decay weights exp(-k/4), reads the target's final hidden states)
     "dspark": {"model.objective": "ce", "model.loss_weights": "decay", "model.drafter.variant": "dspark"},
+    # Domino (docs/domino.md): its own loss (CE on the corrected and the base logits, lambda 1 -> 0 over the run,
+    # decay weights exp(-k/7)); GRU and projector at ModelOpt's proportions to the width (1024 and 256 of 4096)
+    "domino": {"model.objective": "ce", "model.loss_weights": "decay", "model.drafter.variant": "domino",
+               "model.drafter.domino.gru_hidden_dim": 32, "model.drafter.domino.emb_dim": 8},
     # LiLiCorr (docs/lilicorr.md) with the lattice at the tiny drafter's width (the recipe's 1024 is 8x the drafter)
     "lilicorr-dpace-ce": {**DPACE, "model.drafter.variant": "lilicorr", **TINY_LATTICE},
     "lilicorr-conv-dpace-ce": {**DPACE, "model.drafter.variant": "lilicorr-conv", **TINY_LATTICE},
@@ -87,8 +96,10 @@ def run_config(base: dict, run_dir: Path, seed: int, settings: dict, device: str
 
 
 def one_run(name: str, seed: int, work: Path, base: dict, config_name: str, threads: int | None = None,
-            device: str = "cpu", temperatures: str = "0") -> dict:
-    """fit then evaluate one recipe and seed (or read the finished run); its figures."""
+            device: str = "cpu", temperatures: str = "0", extra: dict | None = None, prompts: str = PROMPTS,
+            evaluate_args: tuple[str, ...] = ()) -> dict:
+    """fit then evaluate one recipe and seed (or read the finished run); its figures. `extra`: settings (dotted keys)
+    over every recipe's (a shared feature cache, the step count); `evaluate_args`: more `evaluate` options."""
     run_dir = work / f"{name}-seed{seed}"
     report_path = run_dir / "eval" / "report.json"
     record_path = run_dir / "run.json"
@@ -96,7 +107,7 @@ def one_run(name: str, seed: int, work: Path, base: dict, config_name: str, thre
         return json.loads(record_path.read_text())
     run_dir.mkdir(parents=True, exist_ok=True)
     config = run_dir / "config.yaml"
-    config.write_text(yaml.safe_dump(run_config(base, run_dir, seed, RECIPES[name], device)))
+    config.write_text(yaml.safe_dump(run_config(base, run_dir, seed, {**RECIPES[name], **(extra or {})}, device)))
     env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
     t0 = time.perf_counter()
     fit = [sys.executable, "-m", "dflash_lightning", "fit", "--config", str(config)]
@@ -104,15 +115,15 @@ def one_run(name: str, seed: int, work: Path, base: dict, config_name: str, thre
         subprocess.run(fit, cwd=ROOT, env=env, check=True, stdout=log, stderr=subprocess.STDOUT)
     t1 = time.perf_counter()
     ckpt = str(run_dir / "checkpoints/last.ckpt")
-    evaluate = [sys.executable, "-m", "dflash_lightning", "evaluate", "--drafter", ckpt, "--prompts", PROMPTS,
+    evaluate = [sys.executable, "-m", "dflash_lightning", "evaluate", "--drafter", ckpt, "--prompts", prompts,
                 "--device", device, "--dtype", "float32", "--out", str(run_dir / "eval"),
-                "--temperature", temperatures, "--seed", "0"]
+                "--temperature", temperatures, "--seed", "0", *evaluate_args]
     with open(run_dir / "eval.log", "w") as log:
         subprocess.run(evaluate, cwd=ROOT, env=env, check=True, stdout=log, stderr=subprocess.STDOUT)
     t2 = time.perf_counter()
     report = json.loads(report_path.read_text())
     record = {
-        "recipe": name, "seed": seed, "settings": RECIPES[name], "config": config_name,
+        "recipe": name, "seed": seed, "settings": {**RECIPES[name], **(extra or {})}, "config": config_name,
         "tau_pooled": report["tau_pooled"], "tau_prompt_mean": report["tau_prompt_mean"],
         "tokens_per_step": report["tokens_per_step"], "mismatches": report["mismatches"],
         "num_prompts": report["num_prompts"], "speedup": report["speedup"],
@@ -121,16 +132,18 @@ def one_run(name: str, seed: int, work: Path, base: dict, config_name: str, thre
                                                         "mismatches")}
                             for t, run in report.get("per_temperature", {}).items()},
         "selector": _last_selector_metrics(run_dir),
+        "curve": _served_curve(run_dir),
     }
     record_path.write_text(json.dumps(record, indent=2) + "\n")
     return record
 
 
-PART_METRICS = ("train/selector", "train/lilicorr", "train/dspark")  # the parts' own metrics (docs/parts.md)
+PART_METRICS = ("train/selector", "train/lilicorr", "train/dspark", "train/domino")  # the parts' own (docs/parts.md)
 
 
 def _last_selector_metrics(run_dir: Path) -> dict:
-    """The last logged values of the parts' metrics (DFlash2's selector, LiLiCorr's lattice, DSpark's heads) and of
+    """The last logged values of the parts' metrics (DFlash2's selector, LiLiCorr's lattice, DSpark's heads, Domino's
+    correction) and of
     train/tau, val/tau and val/loss in a run's CSV log."""
     import csv
 
@@ -141,6 +154,20 @@ def _last_selector_metrics(run_dir: Path) -> dict:
                 for key, value in row.items():
                     if value and (key.startswith(PART_METRICS) or key in ("train/tau", "val/tau", "val/loss")):
                         out[key] = float(value)
+    return out
+
+
+def _served_curve(run_dir: Path) -> dict[str, dict[str, float]]:
+    """Served tau (`val/tau_served`, spec_eval's greedy decoding during the fit) and `val/tau` by step."""
+    import csv
+
+    out: dict[str, dict[str, float]] = {}
+    for path in sorted(run_dir.glob("dflash/version_*/metrics.csv")):
+        with open(path) as f:
+            for row in csv.DictReader(f):
+                for key in ("val/tau_served", "val/tau"):
+                    if row.get(key):
+                        out.setdefault(key, {})[row["step"]] = float(row[key])
     return out
 
 
@@ -161,7 +188,16 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS of each run; None: torch's default")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where fit and evaluate run")
     parser.add_argument("--temperatures", default="0", help="evaluate's --temperature list, e.g. 0,0.6,1")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a setting (dotted, YAML value) over every recipe's, e.g. data.feature_cache=DIR")
+    parser.add_argument("--prompts", default=PROMPTS, help="evaluate's prompts")
+    parser.add_argument("--num-prompts", type=int, default=None, help="evaluate only the first N prompts")
+    parser.add_argument("--max-new-tokens", type=int, default=None, help="evaluate's --max_new_tokens")
     args = parser.parse_args()
+    extra = {key: yaml.safe_load(value) for key, _, value in (item.partition("=") for item in args.set)}
+    evaluate_args = tuple(
+        a for flag, value in (("--num_prompts", args.num_prompts), ("--max_new_tokens", args.max_new_tokens))
+        if value is not None for a in (flag, str(value)))
     base = yaml.safe_load((ROOT / args.config).read_text())
     seeds = [int(s) for s in args.seeds.split(",")]
     names = args.recipes.split(",")
@@ -172,7 +208,7 @@ def main() -> None:
     records = []
     with ThreadPoolExecutor(args.jobs) as pool:
         runs = [pool.submit(one_run, name, seed, args.work.resolve(), base, args.config, args.threads, args.device,
-                            args.temperatures) for name, seed in plan]
+                            args.temperatures, extra, args.prompts, evaluate_args) for name, seed in plan]
         for run in runs:
             records.append(run.result())
             print(json.dumps(records[-1]), flush=True)
@@ -194,7 +230,7 @@ def write_result(args: argparse.Namespace, seeds: list[int], names: list[str], r
                     if all(r["per_temperature"].get(t, {}).get(key) is not None for r in runs)}
                 for t in temps}
     result = {
-        "date": time.strftime("%Y-%m-%d"), "config": args.config, "seeds": seeds, "prompts": PROMPTS,
+        "date": time.strftime("%Y-%m-%d"), "config": args.config, "seeds": seeds, "prompts": args.prompts,
         "command": "python benchmarks/objective_ab.py " + " ".join(sys.argv[1:]),
         "recipes": recipes, "runs": records,
     }

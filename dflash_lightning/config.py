@@ -10,32 +10,26 @@ import math
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import Any, Literal
 
+from dflash_lightning.blocks import BlockLayout
 from dflash_lightning.errors import ConfigError
 from dflash_lightning.parts.convolutions import ConvSettings
+from dflash_lightning.parts.domino import DominoSettings
 from dflash_lightning.parts.dspark import DSparkSettings
 from dflash_lightning.parts.lilicorr import LiLiCorrSettings
 from dflash_lightning.parts.presets import ALL_PARTS, DEFAULT_VARIANT, PRESETS, Preset, preset
 from dflash_lightning.parts.selector import SelectorSettings
 
-# Loss decay per block size (docs/method.md section 4); other block sizes must set gamma explicitly.
-DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
-# Anchor-first blocks (section 12): w_k = exp(-k / 4) whatever the block size (DeepSpec's loss_decay_gamma).
-ANCHOR_FIRST_GAMMA = 4.0
 # Attention types of a drafter layer, named as config.json's `layer_types` names them (docs/method.md section 3b).
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # Drafter variants: the presets of parts (parts/presets.py).
 VARIANTS = tuple(PRESETS)
-# Flat fields of drafter configs written before parts had their own settings -> their place now.
-LEGACY_FIELDS = {
-    "conv_kernel_size": ("conv", "kernel_size"), "conv_group_size": ("conv", "group_size"),
-    "selector_rank": ("selector", "rank"), "selector_top_k": ("selector", "top_k"),
-}
-# Run-record keys of those (and of the selector's loss weight, once a module argument) -> their keys now.
+# Settings field -> its dataclass: each part's, nested under the drafter's config (one DrafterConfig field each).
+PART_SETTINGS = {part.name: part.settings_type for part in ALL_PARTS}
+# Flat fields of drafter configs written before parts had their own settings -> their place now (`Part.legacy_fields`).
+LEGACY_FIELDS = {old: (part.name, new) for part in ALL_PARTS for old, new in part.legacy_fields.items()}
+# Run-record keys of those (and of other older keys, `Part.legacy_record`) -> their keys now.
 LEGACY_RECORD = {f"drafter.{old}": f"drafter.{part}.{name}" for old, (part, name) in LEGACY_FIELDS.items()} | {
-    "model.selector_alpha": "drafter.selector.loss_weight"}
-# Settings field -> its dataclass: each part's, nested under the drafter's config.
-PART_SETTINGS = {"conv": ConvSettings, "selector": SelectorSettings, "lilicorr": LiLiCorrSettings,
-                 "dspark_heads": DSparkSettings}
+    old: f"drafter.{part.name}.{new}" for part in ALL_PARTS for old, new in part.legacy_record.items()}
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -59,8 +53,8 @@ class DrafterConfig:
     target_layer_ids: list[int] | None = None
     """Target decoder layers whose outputs form the context feature; None: the DFlash default spread."""
     gamma: float | None = None
-    """Loss decay over slots, w_k = exp(-(k-1)/gamma); None: 7 for B=16, 5 for B=10, 4 for B=8; anchor-first
-    (dspark) w_k = exp(-k/gamma), None: 4."""
+    """Loss decay over slots, w_k = exp(-(k-1)/gamma) (anchor-first blocks: exp(-k/gamma)); None: the block
+    layout's default, 7 for B=16, 5 for B=10, 4 for B=8 (dspark: 4, domino: 7)."""
     hidden_size: int | None = None
     """Drafter width H; must equal the target's (the head and embedding are the target's)."""
     intermediate_size: int | None = None
@@ -97,8 +91,9 @@ class DrafterConfig:
     """The preset of parts on the DFlash backbone (docs/parts.md): `dflash`; `dflash2`, + block convolutions and a
     candidate selector (docs/method.md 10); `lilicorr`, + a candidate-lattice reranker (section 11);
     `lilicorr-conv`, + the reranker and the block convolutions; `dspark`, anchor-first blocks + Markov and confidence
-    heads (section 12). A part's settings below are read only by a variant that has the part; one given another value
-    than its default under a variant without the part is refused (docs/parts.md)."""
+    heads (section 12); `domino`, anchor-first blocks + a GRU prefix correction of the logits (section 13). A part's
+    settings below are read only by a variant that has the part; one given another value than its default under a
+    variant without the part is refused (docs/parts.md)."""
     conv: ConvSettings = field(default_factory=ConvSettings)
     """Block convolutions (dflash2, lilicorr-conv)."""
     selector: SelectorSettings = field(default_factory=SelectorSettings)
@@ -107,6 +102,8 @@ class DrafterConfig:
     """Candidate-lattice reranker (lilicorr, lilicorr-conv)."""
     dspark_heads: DSparkSettings = field(default_factory=DSparkSettings)
     """Markov and confidence heads (dspark)."""
+    domino: DominoSettings = field(default_factory=DominoSettings)
+    """GRU prefix correction and its base-to-final loss curriculum (domino)."""
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Unpickle a config of any version (a checkpoint's hyper-parameters), the flat fields of old ones moved."""
@@ -123,6 +120,12 @@ class DrafterConfig:
     def preset(self) -> Preset:
         """The variant's preset: its parts, architecture name and serve commands."""
         return preset(self.variant)
+
+    @property
+    def layout(self) -> BlockLayout:
+        """The block layout of the variant (`blocks.BlockLayout`, from its parts): which position each slot
+        predicts, which slots train and draft."""
+        return self.preset.layout
 
     def resolved(
         self, target_config: Any, tokenizer_len: int | None = None, mask_ids: list[int] | tuple = ()
@@ -179,7 +182,7 @@ class DrafterConfig:
             raise ConfigError(f"num_layers must be >= 1, got {self.num_layers}")
         if self.block_size < 2:
             raise ConfigError(f"block_size must be >= 2 (an anchor and one drafted slot), got {self.block_size}")
-        if self.gamma is None and self.block_size not in DEFAULT_GAMMA and not self.preset.sample_from_anchor:
+        if self.gamma is None and self.layout.default_gamma(self.block_size) is None:
             raise ConfigError(f"gamma: no default for block_size {self.block_size}; set gamma")
         if self.gamma is not None and self.gamma <= 0:
             raise ConfigError(f"gamma must be > 0, got {self.gamma}")
@@ -268,10 +271,8 @@ class DrafterConfig:
 
     @property
     def loss_gamma(self) -> float:
-        """Gamma of the slot weights, with the per-block-size default."""
-        if self.gamma is not None:
-            return self.gamma
-        return ANCHOR_FIRST_GAMMA if self.preset.sample_from_anchor else DEFAULT_GAMMA[self.block_size]
+        """Gamma of the slot weights, with the block layout's default."""
+        return self.gamma if self.gamma is not None else self.layout.default_gamma(self.block_size)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict of every field, a part's settings as a dict (for checkpoints; `from_dict` reads it back)."""

@@ -158,3 +158,17 @@ def test_option_prefixes_are_not_taken_for_whole_names(run_config, option, capsy
     with pytest.raises(SystemExit):
         cli_main(["fit", "--config", str(run_config), option])
     assert f"unrecognized arguments: {option}" in capsys.readouterr().err
+
+
+def test_a_target_under_the_home_folder_reaches_every_linked_setting_expanded(run_config, monkeypatch, tmp_path):
+    """configs/smollm2-135m.yaml names its target `~/.cache/...`: the tokenizer, the module, spec_eval and the data
+    get the folder spelled out (the tokenizer loader would take `~/...` for a hub id)."""
+    import shutil
+
+    config = yaml.safe_load(run_config.read_text())
+    shutil.copytree(config["target"]["path"], tmp_path / "home" / "target")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    cli = cli_main(["--config", str(run_config), "--target.path=~/target"], run=False)
+    want = str(tmp_path / "home" / "target")
+    spec_eval = next(c for c in cli.trainer.callbacks if type(c).__name__ == "SpeculativeValidation")
+    assert cli.model.hparams.target == cli.datamodule.hparams.tokenizer == spec_eval.target == want

@@ -89,6 +89,7 @@ class BlockConvolutions(Part):
 
     name = "conv"
     settings_type = ConvSettings
+    legacy_fields: ClassVar[dict[str, str]] = {"conv_kernel_size": "kernel_size", "conv_group_size": "group_size"}
     config_fields: ClassVar[dict[str, str]] = {"conv_kernel_size": "kernel_size", "conv_group_size": "group_size"}
     changes_backbone = True
 

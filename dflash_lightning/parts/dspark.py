@@ -1,5 +1,5 @@
 """DSpark's heads (docs/method.md section 12): a Markov head on the logits and a confidence head for adaptive
-verification, on an anchor-first block (every slot k predicts p + k + 1; the layout is `blocks`' rule).
+verification, on an anchor-first block (every slot k predicts p + k + 1: `ANCHOR_FIRST`, read by `blocks`' rules).
 
 `z_k = head(h_k) + markov_w2(markov_w1[prev_k])`, `c_k = sigmoid(proj([h_k; markov_w1[prev_k]]))`. Training is
 teacher-forced (prev_k the true token at p + k) inside the chunked head loop: 0.1 CE + 0.9 L1 to the target's
@@ -9,6 +9,8 @@ Markov head the drafted token, greedy or sampled from softmax(z / T).
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -17,11 +19,28 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torchmetrics import Metric
 
+from dflash_lightning.blocks import BlockLayout
 from dflash_lightning.errors import ConfigError
-from dflash_lightning.parts.base import ChunkResult, DraftInputs, HeadChunk, HeadOutput, Part, PartOutput, TrainInputs
+from dflash_lightning.parts.base import (
+    ChunkResult,
+    Draft,
+    DraftInputs,
+    HeadChunk,
+    HeadOutput,
+    Part,
+    PartOutput,
+    RunSettings,
+    TrainInputs,
+)
 
 ECE_BINS = 10
-"""Equal-width confidence bins of the expected calibration error."""
+"""Equal-width confidence bins of the expected calibration error (in training, and on served blocks)."""
+ADAPTIVE_THRESHOLDS = (0.3, 0.5, 0.7, 0.9)
+"""Survival thresholds of the served adaptive-verification report: a draft is verified while a_k = prod c_i is at or
+above."""
+ANCHOR_FIRST = BlockLayout(anchor_first=True, gamma=4.0)
+"""Section 12's block: every slot k = 0..B-1 predicts p + k + 1 and drafts (B drafts a block); w_k = exp(-k / 4)
+unless gamma is set (DeepSpec's loss_decay_gamma)."""
 
 
 @dataclass
@@ -81,13 +100,15 @@ class ConfidenceHead(nn.Module):
 
 class DSparkHeads(Part):
     """DSpark's Markov and confidence heads, placed as the engines name them (`markov_head.*`,
-    `confidence_head.*`); the preset that has them sets `sample_from_anchor`."""
+    `confidence_head.*`), on section 12's anchor-first block."""
 
     name = "dspark_heads"
     settings_type = DSparkSettings
+    metric_prefix = "dspark"
     config_fields: ClassVar[dict[str, str]] = {}
     """DSpark's fields live at config.json's top level (`top_level_fields`), where vLLM reads markov_rank."""
     weight_prefix = None
+    layout = ANCHOR_FIRST
     # fp8_exempt stays false: the heads' weights are only ever read by hand (F.linear on `.weight`), never through
     # their modules' forward, so an FP8 training linear in their place computes nothing differently.
     needs_final_hidden = True
@@ -100,8 +121,6 @@ class DSparkHeads(Part):
         self.hidden_size = config.hidden_size
         self.markov_head = MarkovHead(config.vocab_size, r)
         self.confidence_head = ConfidenceHead(config.hidden_size, r if self.settings.confidence_with_markov else 0)
-        self.last_confidence: Tensor | None = None
-        """c of the slots of the last block `draft` drafted (evaluate's adaptive-verification report reads it)."""
         self.reset_parameters()
 
     def attach(self, drafter: nn.Module) -> None:
@@ -112,8 +131,18 @@ class DSparkHeads(Part):
         drafter.add_module("markov_head", self.markov_head)
         drafter.add_module("confidence_head", self.confidence_head)
 
-    def owns(self, key: str) -> bool:
+    @classmethod
+    def owns(cls, key: str) -> bool:
         return key.startswith(("markov_head.", "confidence_head."))
+
+    @classmethod
+    def check_run(cls, settings: DSparkSettings, run: RunSettings) -> None:
+        """Section 12's loss is its own: the heads' L1 to the target's distribution (no distillation objective
+        beside it) over exp(-k / gamma) slot weights (no D-PACE)."""
+        if run.objective != "ce" or run.loss_weights != "decay":
+            raise ConfigError(f"model.objective={run.objective}, model.loss_weights={run.loss_weights}: DSpark's heads "
+                              f"(model.drafter.dspark_heads) train with section 12's loss: set model.objective=ce and "
+                              f"model.loss_weights=decay")
 
     def reset_parameters(self, std: float = 0.02) -> None:
         """DeepSpec's init: normal(0, 0.02) weights, a zero bias."""
@@ -204,10 +233,10 @@ class DSparkHeads(Part):
 
     # --- decoding
     @torch.no_grad()
-    def draft(self, inputs: DraftInputs) -> tuple[Tensor, Tensor | None]:
+    def draft(self, inputs: DraftInputs) -> Draft:
         """Drafts of the block's slots in order, the Markov head fed the token drafted at the slot before (slot 0:
-        x): greedy argmax z_k, or sampled from q_k = softmax(z_k / T) (returned, `[n, V]`). Sets
-        `last_confidence`, c of every slot along the drafts.  # [n]"""
+        x): greedy argmax z_k, or sampled from q_k = softmax(z_k / T) (returned, `[n, V]`); extras
+        `{"confidence": c_k}` of every slot along the drafts `[n]`."""
         hidden, logits, temperature = inputs.hidden, inputs.logits, inputs.temperature
         n = hidden.shape[0]
         prev, picks = inputs.first_prev.reshape(1), []
@@ -223,17 +252,27 @@ class DSparkHeads(Part):
             else:
                 prev = z.argmax().reshape(1)
             picks.append(prev)
-        self.last_confidence = torch.cat(conf)
-        return torch.cat(picks), q
+        return Draft(torch.cat(picks), q, {"confidence": torch.cat(conf)})
+
+    # --- the served report (evaluate)
+    @classmethod
+    def served_report(cls, records: list[dict[str, Any]]) -> dict[str, Any]:
+        """`adaptive_verification`: what an engine's adaptive verification would make of the served confidences,
+        and their calibration (`adaptive_verification`); none where no step recorded confidences."""
+        if not served_steps(records):
+            return {}
+        return {"adaptive_verification": adaptive_verification(records)}
 
     # --- export and import: config.json's top level (section 12)
     @classmethod
-    def top_level_fields(cls, settings: DSparkSettings) -> dict[str, Any]:
-        """All written: vLLM reads markov_rank only here and builds the confidence head only with
-        enable_confidence_head; SGLang requires markov_head_type; the engines' defaults of
-        confidence_head_with_markov disagree (vLLM false, SGLang true)."""
-        return {"markov_rank": settings.markov_rank, "markov_head_type": "vanilla", "enable_confidence_head": True,
-                "confidence_head_with_markov": settings.confidence_with_markov}
+    def top_level_fields(cls, settings: DSparkSettings, config: Any = None) -> dict[str, Any]:
+        """All written: the engines read the MASK id and layer ids here too, vLLM reads markov_rank only here and
+        builds the confidence head only with enable_confidence_head; SGLang requires markov_head_type; the
+        engines' defaults of confidence_head_with_markov disagree (vLLM false, SGLang true); and the block layout,
+        which vLLM and SGLang read as anchor-first when missing and llama.cpp as fill-in, is always stated."""
+        return {"mask_token_id": config.mask_token_id, "target_layer_ids": list(config.target_layer_ids),
+                "sample_from_anchor": True, "markov_rank": settings.markov_rank, "markov_head_type": "vanilla",
+                "enable_confidence_head": True, "confidence_head_with_markov": settings.confidence_with_markov}
 
     @classmethod
     def present_fields(cls, dflash: dict[str, Any]) -> list[str]:
@@ -305,4 +344,66 @@ class DSparkMetrics(Metric):
         return out
 
 
-__all__ = ["ConfidenceHead", "DSparkHeads", "DSparkMetrics", "DSparkSettings", "MarkovHead"]
+def served_steps(records: list[dict[str, Any]]) -> list[tuple[int, list[float]]]:
+    """(accepted drafts a, c_k of the block's drafts) of every served step with confidences (`Draft.extras`,
+    recorded per step by `Generation.extras`), over the records of `evaluate`."""
+    return [(a, c) for r in records if "confidence" in r["extras"]
+            for a, c in zip(r["accepted_lengths"], r["extras"]["confidence"], strict=True)]
+
+
+def adaptive_verification(records: list[dict[str, Any]], thresholds: Sequence[float] = ADAPTIVE_THRESHOLDS
+                          ) -> dict[str, Any]:
+    """What verifying only the drafts a confidence head admits would do (docs/method.md 12), from the served steps.
+
+    For each step with confidences c_k and a accepted drafts: at threshold t the engine verifies the prefix whose
+    survival a_k = prod_{i<=k} c_i >= t (n_t drafts) and accepts min(a, n_t) of them. Per threshold: drafts
+    verified and accepted per step, the tau it implies (1 + accepted per step) and the share of verified drafts
+    accepted, beside verifying all; and the confidences' calibration on the served blocks (`served_calibration`).
+    """
+    steps = served_steps(records)
+    n = len(steps)
+    survival = [list(itertools.accumulate(c, lambda x, y: x * y)) for _, c in steps]
+    out: dict[str, Any] = {"steps": n, "all": {
+        "verified_per_step": sum(len(c) for _, c in steps) / n, "accepted_per_step": sum(a for a, _ in steps) / n}}
+    for t in thresholds:
+        admitted = [sum(1 for s in surv if s >= t) for surv in survival]  # survival only falls: a prefix
+        verified, kept = sum(admitted), sum(min(a, m) for (a, _), m in zip(steps, admitted, strict=True))
+        out[f"threshold_{t:g}"] = {"verified_per_step": verified / n, "accepted_per_step": kept / n,
+                                   "tau": 1 + kept / n, "accepted_share": kept / verified if verified else None}
+    out["calibration"] = served_calibration(steps)
+    return out
+
+
+def served_calibration(steps: list[tuple[int, list[float]]]) -> dict[str, Any]:
+    """The confidences' calibration on served blocks, from (accepted drafts a, c_k) of each step: draft k is reached
+    when the k drafts before it were accepted; c_k against its acceptance there (ECE per slot and pooled, Brier),
+    and a_k against the acceptance of the whole prefix to k at every step (Brier, bias = mean a_k - acceptance
+    rate): what the engines' per-slot temperature scaling (SGLang's --speculative-dspark-confidence-sts-path) would
+    correct."""
+    survival = [list(itertools.accumulate(c, lambda x, y: x * y)) for _, c in steps]
+    width = max(len(c) for _, c in steps)
+    reached = [[(c[k], float(a > k)) for a, c in steps if k <= a and k < len(c)] for k in range(width)]
+    ece = [served_ece(pairs) for pairs in reached]
+    pooled = [p for pairs in reached for p in pairs]
+    prefix = [(surv[k], float(a > k)) for (a, _), surv in zip(steps, survival, strict=True) for k in range(len(surv))]
+    return {
+        "ece": served_ece(pooled), "ece_per_slot": ece, "reached_per_slot": [len(p) for p in reached],
+        "brier": sum((c - y) ** 2 for c, y in pooled) / len(pooled),
+        "survival_brier": sum((s - y) ** 2 for s, y in prefix) / len(prefix),
+        "survival_bias": sum(s - y for s, y in prefix) / len(prefix),
+    }
+
+
+def served_ece(pairs: list[tuple[float, float]]) -> float | None:
+    """Expected calibration error of (confidence, outcome) pairs in `ECE_BINS` equal-width bins, as `DSparkMetrics`
+    bins them in training; None without pairs."""
+    if not pairs:
+        return None
+    bins: dict[int, list[tuple[float, float]]] = {}
+    for c, y in pairs:
+        bins.setdefault(min(int(c * ECE_BINS), ECE_BINS - 1), []).append((c, y))
+    return sum(abs(sum(c for c, _ in b) - sum(y for _, y in b)) for b in bins.values()) / len(pairs)
+
+
+__all__ = ["ADAPTIVE_THRESHOLDS", "ConfidenceHead", "DSparkHeads", "DSparkMetrics", "DSparkSettings", "MarkovHead",
+           "adaptive_verification", "served_calibration", "served_ece", "served_steps"]

@@ -17,7 +17,16 @@ from torch import Tensor, nn
 from torchmetrics import Metric
 
 from dflash_lightning.errors import ConfigError
-from dflash_lightning.parts.base import ChunkResult, DraftInputs, HeadChunk, HeadOutput, Part, PartOutput, TrainInputs
+from dflash_lightning.parts.base import (
+    ChunkResult,
+    Draft,
+    DraftInputs,
+    HeadChunk,
+    HeadOutput,
+    Part,
+    PartOutput,
+    TrainInputs,
+)
 from dflash_lightning.topk import unary_top_k
 
 
@@ -48,6 +57,8 @@ class CandidateSelector(Part):
 
     name = "selector"
     settings_type = SelectorSettings
+    legacy_fields: ClassVar[dict[str, str]] = {"selector_rank": "rank", "selector_top_k": "top_k"}
+    legacy_record: ClassVar[dict[str, str]] = {"model.selector_alpha": "loss_weight"}  # once a module argument
     config_fields: ClassVar[dict[str, str]] = {"selector_rank": "rank", "selector_top_k": "top_k"}
     weight_prefix = "candidate_selector"
     decodes = True
@@ -139,10 +150,11 @@ class CandidateSelector(Part):
         ids = unary_top_k(logits, self.top_k)
         return ids, logits.gather(1, ids).to(torch.promote_types(logits.dtype, torch.float32))
 
-    def draft(self, inputs: DraftInputs) -> tuple[Tensor, Tensor | None]:
+    def draft(self, inputs: DraftInputs) -> Draft:
         if inputs.temperature == 0:
-            return self.greedy(inputs.hidden, inputs.logits, inputs.first_prev), None
-        return self.sample(inputs.hidden, inputs.logits, inputs.first_prev, inputs.temperature, inputs.generator)
+            return Draft(self.greedy(inputs.hidden, inputs.logits, inputs.first_prev))
+        return Draft(*self.sample(inputs.hidden, inputs.logits, inputs.first_prev, inputs.temperature,
+                                  inputs.generator))
 
     @torch.no_grad()
     def greedy(self, hidden: Tensor, logits: Tensor, first_prev: Tensor) -> Tensor:
