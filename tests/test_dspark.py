@@ -158,6 +158,10 @@ def test_module_step_logs_and_metrics():
     accept = (rows[..., 0] * m).sum(0) / m.sum(0).clamp_min(1)
     torch.testing.assert_close(values["dspark/accept/slot_01"], accept[1].float())
     torch.testing.assert_close(values["dspark/tau_tv"], (1 + accept.cumprod(0).sum()).float())
+    tv = rows[..., 0]  # DeepSpec's tau: per block 1 + sum_k prod_{i<=k} (1 - TV_i) over its supervised prefix
+    per_block = [1 + sum(float(torch.prod(tv[a, : k + 1])) for k in range(B) if m[a, k]) for a in range(len(anchors))
+                 if m[a, 0]]
+    torch.testing.assert_close(values["dspark/tau"], torch.tensor(sum(per_block) / len(per_block)))
     right = rows[..., 1].bool() & m
     prefix = [next((k for k in range(B) if not right[a, k]), B) for a in range(len(anchors)) if m[a, 0]]
     torch.testing.assert_close(values["dspark/tau_greedy"], torch.tensor(1 + sum(prefix) / len(prefix)))
@@ -248,31 +252,6 @@ def test_decoder_drafts_are_the_training_forward_over_whole_blocks(target):
         torch.testing.assert_close(out.parts["dspark_heads"].rows[0, :, 2].float(), conf.float(), rtol=1e-5, atol=1e-6)
 
 
-def test_adaptive_verification_report_by_hand():
-    """Two served steps: what each survival threshold verifies and accepts, and the calibration of c_k on the drafts
-    reached (the drafts before them accepted), counted by hand."""
-    from dflash_lightning.parts.dspark import adaptive_verification
-
-    records = [{"accepted_lengths": [2, 0], "extras": {"confidence": [[0.9, 0.8, 0.5, 0.2], [0.4, 0.9, 0.9, 0.9]]}},
-               {"accepted_lengths": [3], "extras": {}}]  # a record without confidences counts no step
-    report = adaptive_verification(records, thresholds=(0.3, 0.5))
-    # survival: 0.9, 0.72, 0.36, 0.072 and 0.4, 0.36, 0.324, 0.2916
-    assert report["all"] == {"verified_per_step": 4.0, "accepted_per_step": 1.0}
-    assert report["threshold_0.5"] == {"verified_per_step": 1.0, "accepted_per_step": 1.0, "tau": 2.0,
-                                       "accepted_share": 1.0}  # 2 + 0 verified, min(2, 2) + min(0, 0) accepted
-    assert report["threshold_0.3"] == pytest.approx({"verified_per_step": 3.0, "accepted_per_step": 1.0, "tau": 2.0,
-                                                     "accepted_share": 2 / 6})
-    # reached: slot 0 (0.9, yes) (0.4, no); slot 1 (0.8, yes); slot 2 (0.5, no); slot 3 never
-    cal = report["calibration"]
-    assert cal["reached_per_slot"] == [2, 1, 1, 0]
-    assert cal["ece"] == pytest.approx((0.1 + 0.4 + 0.2 + 0.5) / 4)
-    assert cal["ece_per_slot"] == pytest.approx([(0.1 + 0.4) / 2, 0.2, 0.5, None])
-    assert cal["brier"] == pytest.approx((0.01 + 0.16 + 0.04 + 0.25) / 4)
-    # survival against the whole prefix's acceptance at every slot of every step
-    pairs = [(0.9, 1), (0.72, 1), (0.36, 0), (0.072, 0), (0.4, 0), (0.36, 0), (0.324, 0), (0.2916, 0)]
-    assert cal["survival_bias"] == pytest.approx(sum(s - y for s, y in pairs) / 8)
-
-
 # -- the folder (section 12) ---------------------------------------------------------------------------------------
 # What each engine's loader reads of a DSpark folder, read from (not copied out of) its wheel:
 #  - vLLM 0.34.0 vllm/model_executor/models/qwen3_dspark.py: Qwen3DSparkModel (the DFlash Qwen3 backbone) builds
@@ -337,7 +316,9 @@ def test_serve_commands(exported):
     drafter, folder = exported
     commands = serve_commands(folder, drafter.config, "T")
     spec = json.loads(commands["vllm"].split("--speculative-config ", 1)[1].strip("'"))
-    assert spec == {"method": "dspark", "model": str(folder), "num_speculative_tokens": B}  # B drafts a block
+    # B drafts a block; vLLM verifies the prefix the confidences make worth it (adaptive verification, DSpark only)
+    assert spec == {"method": "dspark", "model": str(folder), "num_speculative_tokens": B,
+                    "enable_adaptive_verification": True}
     assert "--speculative-algorithm DSPARK " in commands["sglang"]
     assert commands["sglang"].endswith(f"--speculative-dspark-block-size {B}")
 
