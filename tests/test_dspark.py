@@ -4,6 +4,8 @@ the training forward over whole blocks."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -158,10 +160,6 @@ def test_module_step_logs_and_metrics():
     accept = (rows[..., 0] * m).sum(0) / m.sum(0).clamp_min(1)
     torch.testing.assert_close(values["dspark/accept/slot_01"], accept[1].float())
     torch.testing.assert_close(values["dspark/tau_tv"], (1 + accept.cumprod(0).sum()).float())
-    tv = rows[..., 0]  # DeepSpec's tau: per block 1 + sum_k prod_{i<=k} (1 - TV_i) over its supervised prefix
-    per_block = [1 + sum(float(torch.prod(tv[a, : k + 1])) for k in range(B) if m[a, k]) for a in range(len(anchors))
-                 if m[a, 0]]
-    torch.testing.assert_close(values["dspark/tau"], torch.tensor(sum(per_block) / len(per_block)))
     right = rows[..., 1].bool() & m
     prefix = [next((k for k in range(B) if not right[a, k]), B) for a in range(len(anchors)) if m[a, 0]]
     torch.testing.assert_close(values["dspark/tau_greedy"], torch.tensor(1 + sum(prefix) / len(prefix)))
@@ -171,6 +169,19 @@ def test_module_step_logs_and_metrics():
     torch.testing.assert_close(values["dspark/brier"], brier.mean().float())
     assert 0 <= float(values["dspark/ece"]) <= 1 and set(out.parts["dspark_heads"].logs) == {
         "dspark/l1", "dspark/accept", "dspark/confidence_bce"}
+
+
+def test_dspark_tau_is_deepspecs_per_block():
+    """`dspark/tau`: the mean over blocks with a supervised slot of 1 + sum_k prod_{i<=k} (1 - TV_i) over the block's
+    supervised prefix (DeepSpec's tau_probabilistic), blocks cut short by their document included."""
+    g = torch.Generator().manual_seed(0)
+    rows = torch.rand(4, B, 3, generator=g)  # [A, B, (1 - TV, right, c)]
+    supervised = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0], [1, 0, 0, 0]], dtype=torch.bool)
+    metric = DSparkHeads.metric(B)
+    metric.update(rows, torch.zeros(4, B, dtype=torch.long), supervised)
+    tv = rows[..., 0].tolist()
+    per_block = [1 + sum(math.prod(tv[a][: k + 1]) for k in range(B) if supervised[a, k]) for a in (0, 1, 3)]
+    torch.testing.assert_close(metric.compute()["dspark/tau"], torch.tensor(sum(per_block) / 3))
 
 
 # -- decoding ------------------------------------------------------------------------------------------------------
