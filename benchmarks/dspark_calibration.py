@@ -28,14 +28,19 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 from objective_ab import _last_selector_metrics, run_config  # noqa: E402
+
+from dflash_lightning.parts.base import VerifyCost  # noqa: E402
+from dflash_lightning.parts.dspark import adaptive_verification, confidence_views, served_blocks  # noqa: E402
 
 TINY = ROOT / "dflash_lightning/assets/tiny/data"
 SAMPLED = {"temperature": 0.7, "top_p": 0.8, "top_k": 20}
 """DeepSpec's sampling setting for DSpark's training answers."""
 RECIPE = {"model.objective": "ce", "model.loss_weights": "decay", "model.drafter.variant": "dspark"}
+COST = VerifyCost()
+"""evaluate's default cost model, which the reports were made with."""
 
 
 def held_out(record_id: str) -> bool:
@@ -123,8 +128,19 @@ def summary(seed: int, report: dict, calibration: dict, seconds: dict) -> dict:
             "calibration_prompts": {view: {k: m[k] for k in ("ece", "auroc")}
                                     for view, m in fitted["report"]["survival"].items()},
             "adaptive_verification": run["adaptive_verification"],
+            # the engines' rule on the raw confidences (no calibration), and under a cost model of one request on a
+            # GPU (each verified draft almost free): from the same served blocks
+            "adaptive_verification_raw": adaptive_verification(served_blocks(run["prompts"]), COST),
+            "adaptive_verification_per_token_0.01": adaptive_verification(
+                served_blocks(run["prompts"]), VerifyCost(COST.draft, 0.01), engines(fitted["fit"])),
         }
     return out
+
+
+def engines(fit: dict) -> dict:
+    """The confidences each engine serves under a calibration: vLLM the folded affine map, SGLang the sts file."""
+    views = confidence_views(fit)
+    return {"vllm": views["affine"], "sglang": views["sts"]}
 
 
 def main() -> None:

@@ -666,7 +666,8 @@ def fit_affine(steps: list[ServedStep]) -> tuple[float, float]:
         return loss
 
     optimizer.step(closure)
-    return float(params[0]), float(params[1])
+    scale, shift = params.detach().tolist()
+    return scale, shift
 
 
 def head_fingerprint(state: dict[str, Tensor]) -> dict[str, float]:
