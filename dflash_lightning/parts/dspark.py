@@ -4,7 +4,9 @@ verification, on an anchor-first block (every slot k predicts p + k + 1: `ANCHOR
 `z_k = head(h_k) + markov_w2(markov_w1[prev_k])`, `c_k = sigmoid(proj([h_k; markov_w1[prev_k]]))`. Training is
 teacher-forced (prev_k the true token at p + k) inside the chunked head loop: 0.1 CE + 0.9 L1 to the target's
 distribution + 1.0 BCE of c against 1 - TV, with hand-made gradients of the heads' weights; decoding feeds the
-Markov head the drafted token, greedy or sampled from softmax(z / T).
+Markov head the drafted token, greedy or sampled from softmax(z / T). On served blocks (docs/dspark.md): the
+paper's survival measures, the engines' adaptive verification simulated, and the calibration `calibrate` fits
+(SGLang's per-slot temperatures, an affine map export folds into `confidence_head.proj` for vLLM).
 """
 
 from __future__ import annotations
