@@ -187,7 +187,7 @@ def test_dspark_tau_is_deepspecs_per_block():
 # -- decoding ------------------------------------------------------------------------------------------------------
 def test_greedy_and_sampled_drafts_against_a_plain_reference():
     """Slot by slot: z_k = logits_k + markov_w2(markov_w1[prev]) with prev the token drafted at slot k - 1 (slot 0:
-    x); greedy argmax, sampled from softmax(z / T) (q returned); c_k along the drafts."""
+    x); greedy argmax, sampled from softmax(z / T) (q returned); c_k and its logit along the drafts."""
     drafter = random_dspark(seed=4)
     part = drafter.parts[0]
     hidden, logits = torch.randn(B, H, dtype=torch.float64), torch.randn(B, V, dtype=torch.float64)
@@ -203,6 +203,7 @@ def test_greedy_and_sampled_drafts_against_a_plain_reference():
             z = logits[k] + w2 @ w1[prev]
             logit = proj.weight[0] @ torch.cat([hidden[k], w1[prev]]) + proj.bias[0]
             torch.testing.assert_close(conf[k].double(), torch.sigmoid(logit), rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(drafted.extras["confidence_logit"][k].double(), logit, rtol=1e-5, atol=1e-6)
             if temperature:
                 probs = torch.softmax(z / temperature, -1).float()
                 torch.testing.assert_close(q[k], probs)
