@@ -1,7 +1,8 @@
 """DSpark's served report and calibration (docs/dspark.md) against plain references written here: the paper's survival
 measures (ECE in 20 bins, AUROC, Brier per position), the engines' adaptive-verification rule with lagged
-confidences, the calibration fit on a planted miscalibration, the fold into `confidence_head.proj` (and vLLM's own
-head on the folded weights), and the calibrate / evaluate / export commands end to end."""
+confidences, the calibration fit on a planted miscalibration, the fold into `confidence_head.proj` (vLLM's own head
+on the folded weights: tests/test_dspark.py's `test_vllm_dspark_heads_compute_ours`), and the calibrate / evaluate
+/ export commands end to end."""
 
 from __future__ import annotations
 
@@ -354,50 +355,3 @@ def test_commands_refuse_before_decoding(dspark_checkpoint, tmp_path):
         fold((DSparkHeads,), {}, {"lilicorr": {}}, "c.json")
     with pytest.raises(ConfigError, match="this drafter's parts that calibrate: none"):
         fold((), {}, {}, "c.json")
-
-
-# -- vLLM's own head on the folded weights ---------------------------------------------------------------------------
-ENGINE = __import__("os").environ.get("DFLASH_ENGINE_PYTHON", "")
-
-
-@pytest.mark.skipif(not ENGINE, reason="no engine venv: $DFLASH_ENGINE_PYTHON is not set (tools/engine_venv.sh)")
-def test_vllm_serves_the_calibrated_confidence_from_the_folded_folder(tmp_path):
-    """The folder's weights with a calibration folded in (bfloat16, as exported), loaded into vLLM's own
-    DSparkConfidenceHead by its loader, give sigmoid(scale * logit + shift) of the raw head: vLLM's raw sigmoid
-    serves the calibrated c."""
-    import subprocess
-    from pathlib import Path
-
-    from safetensors.torch import load_file
-
-    from dflash_lightning.export import write_folder
-
-    drafter = random_dspark(seed=8, dspark_heads=DSparkSettings(markov_rank=16)).float()
-    part = drafter.parts[0]
-    state = drafter.state_dict()
-    fit = {"affine": {"scale": 0.6, "shift": -0.7}, "head": {
-        "weight_norm": float(state["confidence_head.proj.weight"].double().norm()),
-        "bias": float(state["confidence_head.proj.bias"])}}
-    folder = write_folder(drafter.config, DSparkHeads.fold_calibration(state, fit, "fit"), tmp_path / "d", "bfloat16")
-    weights = {k: v for k, v in load_file(folder / "model.safetensors").items() if part.owns(k)}
-    prev = torch.randint(0, V, (9,), generator=torch.Generator().manual_seed(0))
-    hidden = torch.randn(9, drafter.config.hidden_size, generator=torch.Generator().manual_seed(1))
-    case = {"vocab_size": V, "hidden_size": drafter.config.hidden_size, "markov_rank": 16, "with_markov": True,
-            "weights": weights, "inputs": {"prev": prev, "hidden": hidden}}
-    torch.save([case], tmp_path / "in.pt")
-    done = subprocess.run([ENGINE, str(Path(__file__).with_name("dspark_engines.py")), str(tmp_path / "in.pt"),
-                           str(tmp_path / "out.pt"), "vllm"], capture_output=True, text=True, timeout=900,
-                          cwd=Path(__file__).parent)
-    if done.returncode == 3:
-        pytest.skip(done.stderr.strip())
-    assert done.returncode == 0, done.stderr[-3000:]
-    (theirs,) = torch.load(tmp_path / "out.pt")
-    assert not theirs["missing"] and not theirs["unexpected"], theirs
-    # vLLM computes the folder's head as we do (fp32 arithmetic on the bfloat16 weights) ...
-    x = torch.cat([hidden, weights["markov_head.markov_w1.weight"][prev].float()], -1)
-    logit = x @ weights["confidence_head.proj.weight"][0].float() + weights["confidence_head.proj.bias"].float()
-    torch.testing.assert_close(theirs["confidence"], torch.sigmoid(logit), rtol=1e-5, atol=1e-6)
-    # ... which is the calibrated c of the raw fp32 head, up to the folder's bfloat16 rounding
-    with torch.no_grad():
-        raw = part.confidence_head(hidden, part._markov_rows(prev))
-    torch.testing.assert_close(theirs["confidence"], torch.sigmoid(0.6 * raw - 0.7), rtol=0, atol=5e-3)
