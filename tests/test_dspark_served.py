@@ -128,9 +128,11 @@ def test_verified_lengths_are_what_the_decoder_verified(target, monkeypatch):  #
 
 
 # -- adaptive verification ------------------------------------------------------------------------------------------
-def engine_rule_reference(prompts: list[list[ServedStep]], cost: VerifyCost, lag: int) -> tuple[float, float]:
-    """Verified and accepted drafts a step: n of a step maximises (1 + the n largest survivals of the step `lag`
-    before, all ones without one) / (draft + 1 + per_token * n), the smallest n on ties; it accepts min(a, n)."""
+def engine_rule_reference(prompts: list[list[ServedStep]], cost: VerifyCost, lag: int, floor: float = 0.0
+                          ) -> tuple[float, float]:
+    """Verified and accepted drafts a step: n of a step maximises (1 + the n largest survivals at or above `floor` of
+    the step `lag` before, all ones without one) / (draft + 1 + per_token * n), the smallest n on ties; it accepts
+    min(a, n)."""
     verified = accepted = 0
     steps = [s for p in prompts for s in p]
     for prompt in prompts:
@@ -138,7 +140,7 @@ def engine_rule_reference(prompts: list[list[ServedStep]], cost: VerifyCost, lag
             old = prompt[t - lag].logits if t >= lag else None
             survival = [1.0] * len(step.logits) if old is None else \
                 [math.prod(sigmoid(x) for x in old[: k + 1]) for k in range(len(old))]
-            eligible = sorted(survival[: step.verified], reverse=True)
+            eligible = sorted([a for a in survival[: step.verified] if a >= floor], reverse=True)
             values = [(1 + sum(eligible[:n])) / (cost.draft + 1 + cost.per_token * n) for n in range(len(eligible) + 1)]
             n = values.index(max(values))
             verified, accepted = verified + n, accepted + min(step.accepted, n)
@@ -148,10 +150,11 @@ def engine_rule_reference(prompts: list[list[ServedStep]], cost: VerifyCost, lag
 @pytest.mark.parametrize("cost", [VerifyCost(0.1, 0.05), VerifyCost(0.3, 0.3), VerifyCost(0.0, 0.0)])
 def test_adaptive_verification_simulates_the_engines_rule(cost):
     prompts = [planted_steps(n, 6, 0.7, -0.5, seed=n) for n in (1, 2, 7, 30)]
+    prompts[3][5] = ServedStep((-4.0,) * 6, 0, 6)  # survivals below SGLang's floor of 1e-6 from slot 3 on
     report = adaptive_verification(prompts, cost)
     steps = sum(map(len, prompts))
-    for name, lag in (("vllm", 1), ("sglang", 2), ("current", 0)):
-        verified, accepted = engine_rule_reference(prompts, cost, lag)
+    for name, lag, floor in (("vllm", 1, 0.0), ("sglang", 2, 1e-6), ("current", 0, 0.0)):
+        verified, accepted = engine_rule_reference(prompts, cost, lag, floor)
         assert report[name]["verified_per_step"] == pytest.approx(verified), name
         assert report[name]["accepted_per_step"] == pytest.approx(accepted), name
         spent = cost.draft + 1 + cost.per_token * verified  # a step's mean cost

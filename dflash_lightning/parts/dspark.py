@@ -50,6 +50,8 @@ ENGINE_LAGS = {"vllm": 1, "sglang": 2}
 """How many steps old the confidences are that each engine sizes the verified prefix by: vLLM 0.34 reads the copy of
 the previous step's (adaptive_verification.py), SGLang 0.5.23 those of two steps back (dspark_planner.py,
 SGLANG_DSPARK_CONFIDENCE_RELAY_LAG_STEPS 2)."""
+ENGINE_FLOORS = {"vllm": 0.0, "sglang": 1e-6}
+"""Survivals below which an engine never admits a draft (SGLang's DSparkScheduleConfig.survival_eps)."""
 STS_GRID = tuple(math.exp(math.log(0.05) + i * (math.log(20.0) - math.log(0.05)) / 240) for i in range(241))
 """Candidate per-slot temperatures of the sequential temperature scaling (0.05 to 20, geometric)."""
 ANCHOR_FIRST = BlockLayout(anchor_first=True, gamma=4.0)
@@ -491,17 +493,17 @@ def adaptive_verification(prompts: list[list[ServedStep]], cost: VerifyCost,
     Their rule (vLLM 0.34 `AdaptiveVerificationManager.get_num_tokens`, SGLang 0.5.23
     `compute_verify_token_budget`), for one request: verify the n drafts of highest survival (a prefix, survival only
     falls) with n maximising (1 + the sum of the n highest survivals) / `cost.step(n)`, the survivals those of the
-    confidences `ENGINE_LAGS` steps old (all ones before a prompt has that many: a new request's). The step then
-    accepts min(a, n) of the a the full verification accepted: the blocks are the served ones, the count of each
-    step is the rule's (a counterfactual: a shorter verification would change the context after it). `current`:
-    the rule on the step's own confidences, what the lag costs. Per rule: drafts verified and accepted a step, tau
-    (1 + accepted), the cost a step and the tokens per cost against verifying all's. `engines`: the confidences each
-    engine serves (default raw)."""
+    confidences `ENGINE_LAGS` steps old (all ones before a prompt has that many: a new request's; SGLang admits none
+    below `ENGINE_FLOORS`). The step then accepts min(a, n) of the a the full verification accepted: the blocks are
+    the served ones, the count of each step is the rule's (a counterfactual: a shorter verification would change the
+    context after it). `current`: the rule on the step's own confidences, what the lag costs. Per rule: drafts
+    verified and accepted a step, tau (1 + accepted), the cost a step and the tokens per cost against verifying
+    all's. `engines`: the confidences each engine serves (default raw)."""
     engines = engines or {}
     raw = confidence_views(None)["raw"]
     steps = sum(len(p) for p in prompts)
 
-    def run(lag: int | None, view: Confidence) -> dict[str, Any]:
+    def run(lag: int | None, view: Confidence, floor: float = 0.0) -> dict[str, Any]:
         verified = accepted = spent = 0.0
         for prompt in prompts:
             survivals = [survival(view_of(s, view)) for s in prompt]
@@ -510,7 +512,7 @@ def adaptive_verification(prompts: list[list[ServedStep]], cost: VerifyCost,
                     n = step.verified
                 else:
                     seen = survivals[t - lag] if t >= lag else [1.0] * len(step.logits)
-                    n = best_prefix(sorted(seen[: step.verified], reverse=True), cost)
+                    n = best_prefix(sorted((a for a in seen[: step.verified] if a >= floor), reverse=True), cost)
                 verified, accepted, spent = verified + n, accepted + min(step.accepted, n), spent + cost.step(n)
         return {"verified_per_step": verified / steps, "accepted_per_step": accepted / steps,
                 "tau": 1 + accepted / steps, "cost_per_step": spent / steps,
@@ -520,7 +522,7 @@ def adaptive_verification(prompts: list[list[ServedStep]], cost: VerifyCost,
                            "all": run(None, raw)}
     for name, lag in ENGINE_LAGS.items():
         view = engines.get(name, raw)
-        out[name] = {"lag": lag, **run(lag, view)}
+        out[name] = {"lag": lag, **run(lag, view, ENGINE_FLOORS[name])}
         out[name]["throughput_vs_all"] = out[name]["tokens_per_cost"] / out["all"]["tokens_per_cost"]
     out["current"] = {"lag": 0, **run(0, engines.get("vllm", raw))}
     out["current"]["throughput_vs_all"] = out["current"]["tokens_per_cost"] / out["all"]["tokens_per_cost"]
