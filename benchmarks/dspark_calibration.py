@@ -107,6 +107,9 @@ def one_seed(seed: int, args: argparse.Namespace, train: Path, prompts: Path, en
     if not report.exists():
         seconds["evaluate"] = run([*python, "evaluate", *common, "--prompts", args.prompts, "--calibration",
                                    str(calibration), "--out", str(report.parent)], run_dir / "eval.log", env)
+    timings = run_dir / "seconds.json"  # each step's seconds, kept across reruns that skip it
+    seconds = {**(json.loads(timings.read_text()) if timings.exists() else {}), **seconds}
+    timings.write_text(json.dumps(seconds) + "\n")
     out = summary(seed, json.loads(report.read_text()), json.loads(calibration.read_text()), seconds)
     out["training_metrics"] = _last_selector_metrics(run_dir)  # dspark/* at the last logged step
     return out
