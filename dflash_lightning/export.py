@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from dflash_lightning.config import ConfigError, DrafterConfig, _rope_settings
+from dflash_lightning.decoding.calibration import fits_for, fold, pick_temperature, read_calibration
 from dflash_lightning.hf.modeling_dflash import __all__ as REMOTE_CLASSES
 from dflash_lightning.long_runs.atomic import write_dir_atomic
 from dflash_lightning.long_runs.checkpointing import CheckpointError, load_checkpoint, nonfinite_weights
@@ -439,7 +440,8 @@ def load_drafter(path: str | Path, target_path: str | None = None) -> DFlashDraf
     return build_drafter(cfg, state, target)
 
 
-def export(*, checkpoint: str, out: str, dtype: DType | None = None) -> Path:
+def export(*, checkpoint: str, out: str, dtype: DType | None = None, calibration: str | None = None,
+           calibration_temperature: float | None = None) -> Path:
     """Export a DFlashModule checkpoint as a Hugging Face folder for vLLM, SGLang and transformers.
 
     Args:
@@ -448,10 +450,24 @@ def export(*, checkpoint: str, out: str, dtype: DType | None = None) -> Path:
             already in it are kept, other weight files are refused.
         dtype: Dtype of the saved weights and of config.json's `dtype`; None: the dtype the drafter was trained in (a
             Domino drafter's: bfloat16, the only one SGLang serves it in).
+        calibration: calibration.json of `calibrate` for this drafter: its fit for the serving temperature is
+            folded into the weights (`Part.fold_calibration`; DSpark: the affine map into `confidence_head.proj`,
+            so vLLM's raw sigmoid serves the calibrated confidence).
+        calibration_temperature: The temperature the folder is served at, whose fit is folded; None: the file's
+            only one.
     """
     cfg, state, target, precision = _read_checkpoint(checkpoint)
+    if calibration is not None:  # checked and folded before anything is written
+        table = read_calibration(calibration)
+        calibration_temperature = pick_temperature(table, calibration_temperature, calibration)
+        state = fold(cfg.preset.parts, state, fits_for(table, calibration_temperature, calibration), calibration)
+    elif calibration_temperature is not None:
+        raise ConfigError("--calibration_temperature without --calibration: give the calibration.json to fold")
     folder, saved = _write_checked(cfg, state, out, served_dtype(cfg, dtype, precision))
     print(f"exported {checkpoint} -> {folder} ({saved} weights, block size {cfg.block_size})")
+    if calibration is not None:
+        print(f"folded {calibration}'s fit for temperature {calibration_temperature:g} into the weights: serve the "
+              f"folder at that temperature (the engines' own calibration files are for the unfolded weights)")
     print_serve_commands(folder, cfg, target, saved)
     return folder
 

@@ -31,6 +31,7 @@ from dflash_lightning.export import import_folder, print_serve_commands, serve_c
 from dflash_lightning.hf.modeling_dflash import __all__ as REMOTE_CLASSES
 from dflash_lightning.model import DFlashDrafter
 from dflash_lightning.module import DFlashModule, warm_start
+from dflash_lightning.parts.base import calibrates
 from dflash_lightning.parts.convolutions import ConvSettings
 from dflash_lightning.parts.domino import DominoSettings
 from dflash_lightning.parts.dspark import DSparkSettings
@@ -285,7 +286,8 @@ def test_greedy_decoding_is_lossless_with_each_parts_served_report(tiny_target, 
     """`evaluate` at temperature 0: every prompt's tokens are the target's own greedy ones; each step drafted the
     layout's drafts (the drafting rule saw the drafting slots' states and the whole block's) and recorded the
     drafting part's extras of each, and each part's served report (`Part.served_report`: DSpark's adaptive
-    verification) is in the report."""
+    verification) is in the report; a part that calibrates fits the served blocks and folds the fit into its own
+    weights only."""
     drafter = random_drafter(tiny_target, variant, seed=block_size, block_size=block_size)
     layout, seen = drafter.config.layout, []
     rule = next((part for part in drafter.parts if part.decodes), None)
@@ -303,8 +305,13 @@ def test_greedy_decoding_is_lossless_with_each_parts_served_report(tiny_target, 
     for record in report["prompts"]:
         for name, per_step in record["extras"].items():
             assert [len(values) for values in per_step] == [drafts] * record["steps"], name
+    state = drafter.state_dict()
     for part in drafter.config.preset.parts:
         assert part.served_report(report["prompts"]).items() <= report.items(), part.name
+        if calibrates(part):  # what it fits on served blocks is JSON, and folds into its own weights only
+            fit = json.loads(json.dumps(part.calibrate(report["prompts"], state).fit))
+            folded = part.fold_calibration(state, fit, "calibration.json")
+            assert {k for k in state if not torch.equal(folded[k], state[k])} <= {k for k in state if part.owns(k)}
 
 
 SAMPLERS = {part.name: variant for variant in reversed(VARIANTS) for part in preset(variant).parts

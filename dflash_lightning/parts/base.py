@@ -22,7 +22,10 @@ How a new part plugs in:
    it, with what the chunks returned) ->
    the module logs `PartOutput.logs` every `metrics_every` steps and feeds `PartOutput.rows` to `metric()`.
    Decoding calls `draft` (the one part of a preset with `decodes = True`; else each slot's argmax), which returns
-   a `Draft` (tokens, q, extras); `evaluate` calls every part's `served_report` with the served records.
+   a `Draft` (tokens, q, extras); `evaluate` calls every part's `served_report` with the served records and the
+   `ServedSettings` (a cost model of a step, the calibration fitted for the temperature); `calibrate` calls
+   `calibrate` with served records of prompts apart from the evaluation's, and export folds what it fitted into the
+   weights (`fold_calibration`).
    Export writes `export_fields` and `top_level_fields`, import reads them with `read_fields`; warm start loads
    the weights the part `owns` only when the source has the part too.
 5. `tests/test_contract.py`: its small settings in `TINY`; the contract test runs it and its presets through all of
@@ -227,6 +230,55 @@ class Draft:
 
 
 @dataclass(frozen=True)
+class VerifyCost:
+    """The cost of one decode step that an engine's adaptive verification weighs (docs/dspark.md): drafting a block,
+    then one target forward over the last token and the n drafts admitted, `draft + 1 + per_token * n`, in target
+    forwards of one token. vLLM profiles these costs when it starts, SGLang reads them from its
+    `--speculative-dspark-sps-table-path`; `evaluate` simulates their rule under this model."""
+
+    draft: float = 0.1
+    """The drafter's forward for one block, in target forwards of one token."""
+    per_token: float = 0.05
+    """What each draft verified adds to the target's forward, in target forwards of one token (about 0 for one
+    request on a GPU, larger as the batch fills it)."""
+
+    def __post_init__(self) -> None:
+        for name in ("draft", "per_token"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and 0 <= value < float("inf")):
+                raise ConfigError(f"verify_cost.{name} must be a finite number >= 0, got {value!r}")
+
+    def step(self, drafts: int) -> float:
+        """The cost of a step that verifies `drafts` drafts."""
+        return self.draft + 1.0 + self.per_token * drafts
+
+
+@dataclass(frozen=True)
+class ServedSettings:
+    """What `evaluate` hands a part's `served_report` besides the served records."""
+
+    cost: VerifyCost = field(default_factory=VerifyCost)
+    """The step's cost model of adaptive verification."""
+    calibration: dict[str, Any] | None = None
+    """What `calibrate` fitted for this serving temperature, by part name (`Calibration.fit`); None: none given."""
+
+
+@dataclass
+class Calibration:
+    """What a part's `calibrate` fitted on the served blocks of one serving temperature."""
+
+    fit: dict[str, Any]
+    """JSON values that `fold_calibration` folds into the weights (export) and `served_report` applies (evaluate)."""
+    report: dict[str, Any]
+    """Measures on the calibration blocks before and after, for calibration.json."""
+    files: dict[str, str] = field(default_factory=dict)
+    """Files to write beside calibration.json, name -> text (DSpark: SGLang's per-slot temperatures, sts.json); the
+    command puts the temperature in each name (sts-T1.json)."""
+    lines: list[str] = field(default_factory=list)
+    """What the command prints of it, one line each."""
+
+
+@dataclass(frozen=True)
 class RunSettings:
     """What a part's `check_run` sees of the run that trains it."""
 
@@ -401,13 +453,26 @@ class Part(nn.Module):
         docs/method.md 6b and 10) and the part's extras. Only for parts with `decodes = True`."""
         raise NotImplementedError
 
-    # --- the served report
+    # --- the served report and calibration
     @classmethod
-    def served_report(cls, records: list[dict[str, Any]]) -> dict[str, Any]:
+    def served_report(cls, records: list[dict[str, Any]], settings: ServedSettings | None = None) -> dict[str, Any]:
         """Keys the part adds to `evaluate`'s report of one temperature, from its served records (per prompt:
-        `accepted_lengths`, the accepted drafts of each step; `extras`, `{name: one list per step}` of the part's
-        `Draft.extras`; `step_tokens`, `expected_accepted`, ...); nothing by default."""
+        `accepted_lengths`, the accepted drafts of each step; `verified_lengths`, the drafts each step verified;
+        `extras`, `{name: one list per step}` of the part's `Draft.extras`; `step_tokens`, ...) and the
+        `settings` (None: the defaults); nothing by default."""
         return {}
+
+    @classmethod
+    def calibrate(cls, records: list[dict[str, Any]], state: dict[str, Tensor]) -> Calibration | None:
+        """What the part fits on served records of one temperature (prompts apart from the evaluation's) for the
+        drafter's weights `state`; None: the part has nothing to calibrate (the default)."""
+        return None
+
+    @classmethod
+    def fold_calibration(cls, state: dict[str, Tensor], fit: dict[str, Any], source: str) -> dict[str, Tensor]:
+        """The weights with the part's `Calibration.fit` folded in (export), refusing in one ConfigError line naming
+        `source` a fit made for other weights; only for parts whose `calibrate` fits something."""
+        raise ConfigError(f"{source}: {cls.__name__} has no calibration to fold")
 
     # --- export and import
     @classmethod
@@ -462,5 +527,10 @@ class Part(nn.Module):
         return cls.settings_type(**values)
 
 
-__all__ = ["ChunkResult", "Correction", "Draft", "DraftInputs", "HeadChunk", "HeadOutput", "Part", "PartOutput",
-           "RunSettings", "TrainInputs"]
+def calibrates(part: type[Part]) -> bool:
+    """Whether a part fits a calibration (overrides `Part.calibrate`)."""
+    return part.calibrate.__func__ is not Part.calibrate.__func__
+
+
+__all__ = ["Calibration", "ChunkResult", "Correction", "Draft", "DraftInputs", "HeadChunk", "HeadOutput", "Part",
+           "PartOutput", "RunSettings", "ServedSettings", "TrainInputs", "VerifyCost", "calibrates"]
