@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflash_lightning.assets import smollm2
 from dflash_lightning.cli import cli_main
+from dflash_lightning.target_model import smollm2
 
 ROOT = Path(__file__).parents[1]
 FOLDER = Path(os.environ.get("DFLASH_SMOLLM2", smollm2.DEFAULT_DIR)).expanduser()

@@ -1,6 +1,6 @@
 """SmolLM2-135M-Instruct's own answers to the tiny set's prompts: the data of configs/smollm2-135m.yaml.
 
-    python -m dflash_lightning.assets.smollm2                 # the target folder, once
+    python -m dflash_lightning.target_model.smollm2                 # the target folder, once
     bash tools/engine_venv.sh /tmp/dflash-engine-venv          # vLLM for the CPU, which batches the answers
     python tools/build_smollm2_data.py --engine-python /tmp/dflash-engine-venv/bin/python
 
