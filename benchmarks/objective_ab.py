@@ -27,6 +27,11 @@ the chosen lattice served against DFlash2, a longer run and a warm start from th
     python benchmarks/objective_ab.py --recipes dflash2-dpace-ce,lilicorr-conv-tokens,lilicorr-conv-tokens-warm \
         --seeds 0,1 --temperatures 0,0.6,1 --out Y.json
 
+Domino against DFlash2 and DSpark at the tiny default's block size (issue 44; not yet run):
+
+    python benchmarks/objective_ab.py --recipes dflash2-dpace-ce,dspark,domino --temperatures 0,0.6,1 --device cuda \
+        --out benchmarks/results/tiny-domino-ab.json
+
 Features from an FP8 target against a bf16 one (issue 26), on a Hopper GPU:
 
     python benchmarks/objective_ab.py --recipes target-bf16,target-fp8 --device cuda --jobs 6 --threads 2 --out X.json
@@ -105,6 +110,10 @@ RECIPES = {
     "dflash2-dpace-ce": {"model.objective": "ce", "model.loss_weights": "dpace", "model.drafter.variant": "dflash2"},
     # DSpark (docs/dspark.md): its own loss (decay weights exp(-k/4), reads the target's final hidden states)
     "dspark": {"model.objective": "ce", "model.loss_weights": "decay", "model.drafter.variant": "dspark"},
+    # Domino (docs/domino.md): its own loss (CE on the corrected and the base logits, lambda 1 -> 0 over the run,
+    # decay weights exp(-k/7)); GRU and projector at ModelOpt's proportions to the width (1024 and 256 of 4096)
+    "domino": {"model.objective": "ce", "model.loss_weights": "decay", "model.drafter.variant": "domino",
+               "model.drafter.domino.gru_hidden_dim": 32, "model.drafter.domino.emb_dim": 8},
     # LiLiCorr (docs/lilicorr.md) with the lattice at the tiny drafter's width (the recipe's 1024 is 8x the drafter)
     "lilicorr-dpace-ce": {**DPACE, "model.drafter.variant": "lilicorr", **TINY_LATTICE},
     "lilicorr-conv-dpace-ce": {**DPACE, "model.drafter.variant": "lilicorr-conv", **TINY_LATTICE},
@@ -161,20 +170,24 @@ def run_name(name: str, seed: int, steps: int | None = None) -> str:
 
 
 def one_run(name: str, seed: int, work: Path, base: dict, config_name: str, threads: int | None = None,
-            device: str = "cpu", temperatures: str = "0", steps: int | None = None, fit_only: bool = False) -> dict:
+            device: str = "cpu", temperatures: str = "0", steps: int | None = None, fit_only: bool = False,
+            extra: dict | None = None, prompts: str = PROMPTS, evaluate_args: tuple[str, ...] = ()) -> dict:
     """fit then evaluate one recipe and seed (or read the finished run); its figures. `steps` replaces the config's
-    max_steps; `fit_only` skips evaluate (the part's curves are the figures)."""
+    max_steps; `fit_only` skips evaluate (the part's curves are the figures); `extra`: settings (dotted keys) over
+    every recipe's (a shared feature cache, say); `evaluate_args`: more `evaluate` options."""
     run_dir = work / run_name(name, seed, steps)
     report_path = run_dir / "eval" / "report.json"
     record_path = run_dir / "run.json"
     if record_path.exists() and (fit_only or report_path.exists()):
         return json.loads(record_path.read_text())
     settings = {k: v(base) if callable(v) else v for k, v in RECIPES[name].items()}  # from the config's target
+    settings |= extra or {}
     if steps:
         settings["trainer.max_steps"] = steps
     for key, value in settings.items():  # "@recipe": that recipe's last checkpoint of this seed, fit first if absent
         if isinstance(value, str) and value.startswith("@"):
-            one_run(value[1:], seed, work, base, config_name, threads, device, temperatures, steps, fit_only)
+            one_run(value[1:], seed, work, base, config_name, threads, device, temperatures, steps, fit_only, extra,
+                    prompts, evaluate_args)
             settings[key] = str(work / run_name(value[1:], seed, steps) / "checkpoints/last.ckpt")
     run_dir.mkdir(parents=True, exist_ok=True)
     config = run_dir / "config.yaml"
@@ -190,8 +203,8 @@ def one_run(name: str, seed: int, work: Path, base: dict, config_name: str, thre
     if not fit_only:
         ckpt = run_dir / "checkpoints/last.ckpt"
         evaluate = [sys.executable, "-m", "dflash_lightning", "evaluate", "--drafter", str(ckpt), "--prompts",
-                    PROMPTS, "--device", device, "--dtype", "float32", "--out", str(run_dir / "eval"),
-                    "--temperature", temperatures, "--seed", "0"]
+                    prompts, "--device", device, "--dtype", "float32", "--out", str(run_dir / "eval"),
+                    "--temperature", temperatures, "--seed", "0", *evaluate_args]
         with open(run_dir / "eval.log", "w") as log:
             subprocess.run(evaluate, cwd=ROOT, env=env, check=True, stdout=log, stderr=subprocess.STDOUT)
         report = json.loads(report_path.read_text())
@@ -205,16 +218,17 @@ def one_run(name: str, seed: int, work: Path, base: dict, config_name: str, thre
                                 for t, run in report.get("per_temperature", {}).items()},
         }
     record["selector"] = _last_selector_metrics(run_dir)
-    record["curves"] = part_curves(run_dir)
+    record["curves"] = part_curves(run_dir)  # served tau (val/tau_served) against steps among them
     record_path.write_text(json.dumps(record, indent=2) + "\n")
     return record
 
 
-PART_METRICS = ("train/selector", "train/lilicorr", "train/dspark")  # the parts' own metrics (docs/parts.md)
+PART_METRICS = ("train/selector", "train/lilicorr", "train/dspark", "train/domino")  # the parts' own (docs/parts.md)
 
 
 def _last_selector_metrics(run_dir: Path) -> dict:
-    """The last logged values of the parts' metrics (DFlash2's selector, LiLiCorr's lattice, DSpark's heads) and of
+    """The last logged values of the parts' metrics (DFlash2's selector, LiLiCorr's lattice, DSpark's heads, Domino's
+    correction) and of
     train/tau, val/tau and val/loss in a run's CSV log."""
     import csv
 
@@ -281,7 +295,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="trainer.max_steps of every run; None: the config's")
     parser.add_argument("--fit-only", action="store_true", help="no evaluate: the parts' curves are the figures")
     parser.add_argument("--bin", type=int, default=40, help="steps per bin of the JSON's binned training curves")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a setting (dotted, YAML value) over every recipe's, e.g. data.feature_cache=DIR")
+    parser.add_argument("--prompts", default=PROMPTS, help="evaluate's prompts")
+    parser.add_argument("--num-prompts", type=int, default=None, help="evaluate only the first N prompts")
+    parser.add_argument("--max-new-tokens", type=int, default=None, help="evaluate's --max_new_tokens")
     args = parser.parse_args()
+    extra = {key: yaml.safe_load(value) for key, _, value in (item.partition("=") for item in args.set)}
+    evaluate_args = tuple(
+        a for flag, value in (("--num_prompts", args.num_prompts), ("--max_new_tokens", args.max_new_tokens))
+        if value is not None for a in (flag, str(value)))
     base = yaml.safe_load((ROOT / args.config).read_text())
     seeds = [int(s) for s in args.seeds.split(",")]
     names = args.recipes.split(",")
@@ -292,7 +315,8 @@ def main() -> None:
     records = []
     with ThreadPoolExecutor(args.jobs) as pool:
         runs = [pool.submit(one_run, name, seed, args.work.resolve(), base, args.config, args.threads, args.device,
-                            args.temperatures, args.steps, args.fit_only) for name, seed in plan]
+                            args.temperatures, args.steps, args.fit_only, extra, args.prompts, evaluate_args)
+                for name, seed in plan]
         for run in runs:
             records.append(run.result())
             print(json.dumps(records[-1]), flush=True)
@@ -323,7 +347,7 @@ def write_result(args: argparse.Namespace, seeds: list[int], names: list[str], r
                 for t in temps}
     result = {
         "date": time.strftime("%Y-%m-%d"), "config": args.config, "seeds": seeds, "steps": args.steps,
-        "curve_bin_steps": args.bin, "prompts": PROMPTS,
+        "curve_bin_steps": args.bin, "prompts": args.prompts,
         "command": "python benchmarks/objective_ab.py " + " ".join(sys.argv[1:]),
         "recipes": recipes, "runs": records,
     }

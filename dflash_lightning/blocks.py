@@ -1,4 +1,5 @@
-"""The block rules of docs/method.md sections 3-4b and 12: anchors, block inputs, labels, slot weights, block mask.
+"""The block rules of docs/method.md sections 3-4b, 12 and 13: the block layout, anchors, block inputs, labels, slot
+weights, block mask.
 
 One implementation of each rule, used by training, evaluation and export; every tensor has a fixed
 shape set by the token budget T, the anchor count A and the block size B, so the step compiles once.
@@ -7,31 +8,75 @@ shape set by the token budget T, the anchor count A and the block size B, so the
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_mask
 
+DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+"""Section 4's slot-weight decay gamma per block size; a layout without its own default takes it from here."""
 
-def first_slot(sample_from_anchor: bool = False) -> int:
-    """The first slot that predicts a token: 1 in section 3's block (slot k predicts p + k), 0 in section 12's
-    anchor-first block (slot k predicts p + k + 1). Slots `first_slot..B-1` are the drafts of a block."""
-    return 0 if sample_from_anchor else 1
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """What the slots of a block `[x_p, MASK x (B-1)]` at positions p..p+B-1 do: which position each predicts,
+    which are trained, which are drafted, and the default decay of their loss weights.
+
+    A preset's layout is derived from its parts (`Part.layout`, `Preset.layout`) and read here and through
+    `DrafterConfig.layout` alone: training, metrics, decoding and export never ask which variant they have.
+    """
+
+    anchor_first: bool = False
+    """False: slot k predicts position p + k and slot 0, the given anchor, nothing (section 3's fill-in block); true:
+    every slot k = 0..B-1 predicts p + k + 1 (section 12's anchor-first block), and a slot is supervised only while
+    every slot before it is (DeepSpec's running product m_k, sections 12 and 13)."""
+    last_slot_drafts: bool = True
+    """Whether slot B-1's prediction is drafted. False (Domino, section 13): an anchor-first block trains all B slots
+    but drafts slots 0..B-2, B-1 tokens verified as a fill-in block's are."""
+    gamma: float | None = None
+    """Default gamma of the slot weights `exp(-(k - first_slot) / gamma)`; None: section 4's per-block-size table
+    (`DEFAULT_GAMMA`). DSpark 4 (`exp(-k/4)`), Domino 7."""
+
+    @property
+    def first_slot(self) -> int:
+        """The first slot that predicts a token, the first trained and the first drafted: 1, anchor-first 0."""
+        return 0 if self.anchor_first else 1
+
+    @property
+    def label_offset(self) -> int:
+        """Slot k predicts position p + k + `label_offset`."""
+        return 1 if self.anchor_first else 0
+
+    def drafts(self, block_size: int) -> int:
+        """Tokens drafted per block: B - 1 (fill-in, or anchor-first without its last slot), B (DSpark)."""
+        return block_size - self.first_slot - (0 if self.last_slot_drafts else 1)
+
+    def draft_slots(self, block_size: int) -> slice:
+        """The slots whose predictions are the block's drafts, in order: 1..B-1, 0..B-1 or 0..B-2."""
+        return slice(self.first_slot, self.first_slot + self.drafts(block_size))
+
+    def default_gamma(self, block_size: int) -> float | None:
+        """The slot weights' gamma where `model.drafter.gamma` is unset; None: no default for this block size."""
+        return self.gamma if self.gamma is not None else DEFAULT_GAMMA.get(block_size)
+
+
+FILL_IN = BlockLayout()
+"""Section 3's block: slot k predicts p + k, slots 1..B-1 trained and drafted, section 4's gamma."""
 
 
 def slot_weights(
-    block_size: int, gamma: float, device: torch.device | str | None = None, sample_from_anchor: bool = False,
+    block_size: int, gamma: float, device: torch.device | str | None = None, layout: BlockLayout = FILL_IN,
 ) -> Tensor:
-    """Loss weight of each slot: 0 for slot 0, exp(-(k-1)/gamma) for slot k >= 1; anchor-first (section 12)
-    exp(-k/gamma) for every slot k >= 0.  # [B]"""
+    """Loss weight of each slot: exp(-(k - first) / gamma) for the slots k >= first that predict (first = 1: slot 0
+    weighs 0; anchor-first first = 0, section 12: exp(-k / gamma)).  # [B]"""
     k = torch.arange(block_size, dtype=torch.float32, device=device)
-    if sample_from_anchor:
-        return torch.exp(-k / gamma)
-    return torch.where(k == 0, torch.zeros_like(k), torch.exp(-(k - 1) / gamma))
+    first = layout.first_slot
+    return torch.where(k < first, torch.zeros_like(k), torch.exp(-(k - first) / gamma))
 
 
-def base_slot_weights(block_size: int, loss_weights: str, gamma: float, sample_from_anchor: bool = False) -> Tensor:
+def base_slot_weights(block_size: int, loss_weights: str, gamma: float, layout: BlockLayout = FILL_IN) -> Tensor:
     """Per-slot weights before the data: the decay of section 4 (12: anchor-first), or 1 for every slot that
     predicts under D-PACE.  # [B]
 
@@ -39,8 +84,8 @@ def base_slot_weights(block_size: int, loss_weights: str, gamma: float, sample_f
     only mark which slots count.
     """
     if loss_weights == "dpace":
-        return (torch.arange(block_size) >= first_slot(sample_from_anchor)).float()
-    return slot_weights(block_size, gamma, sample_from_anchor=sample_from_anchor)
+        return (torch.arange(block_size) >= layout.first_slot).float()
+    return slot_weights(block_size, gamma, layout=layout)
 
 
 def dpace_weights(ce: Tensor, supervised: Tensor, alpha: float = 0.5) -> Tensor:
@@ -96,19 +141,19 @@ def block_positions(anchors: Tensor, block_size: int) -> Tensor:
     return anchors[:, None] + torch.arange(block_size, device=anchors.device)
 
 
-def label_positions(anchors: Tensor, block_size: int, sample_from_anchor: bool = False) -> Tensor:
+def label_positions(anchors: Tensor, block_size: int, layout: BlockLayout = FILL_IN) -> Tensor:
     """Packed index of the token each slot predicts: anchor + k (section 3), anchor + k + 1 anchor-first
     (section 12).  # [A, B]"""
-    return block_positions(anchors, block_size) + (1 - first_slot(sample_from_anchor))
+    return block_positions(anchors, block_size) + layout.label_offset
 
 
-def teacher_positions(anchors: Tensor, block_size: int, total: int, sample_from_anchor: bool = False) -> Tensor:
+def teacher_positions(anchors: Tensor, block_size: int, total: int, layout: BlockLayout = FILL_IN) -> Tensor:
     """Packed index of the target hidden state that predicts each slot's label: the label's position - 1 (section
     4c; anchor-first: anchor + k).  # [A, B]
 
     Slots that predict nothing and slots past the budget are clamped into the row; their weight is 0.
     """
-    return (label_positions(anchors, block_size, sample_from_anchor) - 1).clamp(0, total - 1)
+    return (label_positions(anchors, block_size, layout) - 1).clamp(0, total - 1)
 
 
 def block_input_ids(input_ids: Tensor, anchors: Tensor, block_size: int, mask_token_id: int) -> Tensor:
@@ -125,20 +170,20 @@ def block_labels(
     anchors: Tensor,
     anchor_valid: Tensor,
     weights_per_slot: Tensor,
-    sample_from_anchor: bool = False,
+    layout: BlockLayout = FILL_IN,
 ) -> tuple[Tensor, Tensor]:
     """Labels `[A, B]` (the data token at `label_positions`) and their loss weights `[A, B]`.
 
     A weight is 0 for slot 0 (section 3's block), for labels outside the loss mask, past the document or the
-    budget, and for invalid anchors; otherwise it is the slot's weight. Anchor-first (section 12) a slot counts
-    only where every slot before it does too (DeepSpec's running product m_k).
+    budget, and for invalid anchors; otherwise it is the slot's weight. Anchor-first (sections 12, 13) a slot
+    counts only where every slot before it does too (DeepSpec's running product m_k).
     """
     total = input_ids.numel()
-    pos = label_positions(anchors, weights_per_slot.numel(), sample_from_anchor)  # [A, B]
+    pos = label_positions(anchors, weights_per_slot.numel(), layout)  # [A, B]
     inside = pos < total
     pos = pos.clamp(max=total - 1)
     supervised = inside & loss_mask[pos] & (doc_ids[pos] == doc_ids[anchors][:, None]) & anchor_valid[:, None]
-    if sample_from_anchor:
+    if layout.anchor_first:
         supervised = supervised.int().cumprod(-1).bool()
     return input_ids[pos], weights_per_slot[None, :] * supervised
 

@@ -6,35 +6,30 @@ Every size the drafter shares with the target is read from the target's config u
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import Any, Literal
 
+from dflash_lightning.blocks import BlockLayout
 from dflash_lightning.errors import ConfigError
 from dflash_lightning.parts.convolutions import ConvSettings
+from dflash_lightning.parts.domino import DominoSettings
 from dflash_lightning.parts.dspark import DSparkSettings
 from dflash_lightning.parts.lilicorr import LiLiCorrSettings
-from dflash_lightning.parts.presets import DEFAULT_VARIANT, PRESETS, Preset, preset
+from dflash_lightning.parts.presets import ALL_PARTS, DEFAULT_VARIANT, PRESETS, Preset, preset
 from dflash_lightning.parts.selector import SelectorSettings
 
-# Loss decay per block size (docs/method.md section 4); other block sizes must set gamma explicitly.
-DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
-# Anchor-first blocks (section 12): w_k = exp(-k / 4) whatever the block size (DeepSpec's loss_decay_gamma).
-ANCHOR_FIRST_GAMMA = 4.0
 # Attention types of a drafter layer, named as config.json's `layer_types` names them (docs/method.md section 3b).
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # Drafter variants: the presets of parts (parts/presets.py).
 VARIANTS = tuple(PRESETS)
-# Flat fields of drafter configs written before parts had their own settings -> their place now.
-LEGACY_FIELDS = {
-    "conv_kernel_size": ("conv", "kernel_size"), "conv_group_size": ("conv", "group_size"),
-    "selector_rank": ("selector", "rank"), "selector_top_k": ("selector", "top_k"),
-}
-# Run-record keys of those (and of the selector's loss weight, once a module argument) -> their keys now.
+# Settings field -> its dataclass: each part's, nested under the drafter's config (one DrafterConfig field each).
+PART_SETTINGS = {part.name: part.settings_type for part in ALL_PARTS}
+# Flat fields of drafter configs written before parts had their own settings -> their place now (`Part.legacy_fields`).
+LEGACY_FIELDS = {old: (part.name, new) for part in ALL_PARTS for old, new in part.legacy_fields.items()}
+# Run-record keys of those (and of other older keys, `Part.legacy_record`) -> their keys now.
 LEGACY_RECORD = {f"drafter.{old}": f"drafter.{part}.{name}" for old, (part, name) in LEGACY_FIELDS.items()} | {
-    "model.selector_alpha": "drafter.selector.loss_weight"}
-# Settings field -> its dataclass: each part's, nested under the drafter's config.
-PART_SETTINGS = {"conv": ConvSettings, "selector": SelectorSettings, "lilicorr": LiLiCorrSettings,
-                 "dspark_heads": DSparkSettings}
+    old: f"drafter.{part.name}.{new}" for part in ALL_PARTS for old, new in part.legacy_record.items()}
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -58,8 +53,8 @@ class DrafterConfig:
     target_layer_ids: list[int] | None = None
     """Target decoder layers whose outputs form the context feature; None: the DFlash default spread."""
     gamma: float | None = None
-    """Loss decay over slots, w_k = exp(-(k-1)/gamma); None: 7 for B=16, 5 for B=10, 4 for B=8; anchor-first
-    (dspark) w_k = exp(-k/gamma), None: 4."""
+    """Loss decay over slots, w_k = exp(-(k-1)/gamma) (anchor-first blocks: exp(-k/gamma)); None: the block
+    layout's default, 7 for B=16, 5 for B=10, 4 for B=8 (dspark: 4, domino: 7)."""
     hidden_size: int | None = None
     """Drafter width H; must equal the target's (the head and embedding are the target's)."""
     intermediate_size: int | None = None
@@ -96,7 +91,9 @@ class DrafterConfig:
     """The preset of parts on the DFlash backbone (docs/parts.md): `dflash`; `dflash2`, + block convolutions and a
     candidate selector (docs/method.md 10); `lilicorr`, + a candidate-lattice reranker (section 11);
     `lilicorr-conv`, + the reranker and the block convolutions; `dspark`, anchor-first blocks + Markov and confidence
-    heads (section 12). A part's settings below are read only by a variant that has the part."""
+    heads (section 12); `domino`, anchor-first blocks + a GRU prefix correction of the logits (section 13). A part's
+    settings below are read only by a variant that has the part; one given another value than its default under a
+    variant without the part is refused (docs/parts.md)."""
     conv: ConvSettings = field(default_factory=ConvSettings)
     """Block convolutions (dflash2, lilicorr-conv)."""
     selector: SelectorSettings = field(default_factory=SelectorSettings)
@@ -105,6 +102,8 @@ class DrafterConfig:
     """Candidate-lattice reranker (lilicorr, lilicorr-conv)."""
     dspark_heads: DSparkSettings = field(default_factory=DSparkSettings)
     """Markov and confidence heads (dspark)."""
+    domino: DominoSettings = field(default_factory=DominoSettings)
+    """GRU prefix correction and its base-to-final loss curriculum (domino)."""
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Unpickle a config of any version (a checkpoint's hyper-parameters), the flat fields of old ones moved."""
@@ -122,12 +121,19 @@ class DrafterConfig:
         """The variant's preset: its parts, architecture name and serve commands."""
         return preset(self.variant)
 
+    @property
+    def layout(self) -> BlockLayout:
+        """The block layout of the variant (`blocks.BlockLayout`, from its parts): which position each slot
+        predicts, which slots train and draft."""
+        return self.preset.layout
+
     def resolved(
-        self, target_config: Any, tokenizer_len: int | None = None, reserved_ids: list[int] | tuple = ()
+        self, target_config: Any, tokenizer_len: int | None = None, mask_ids: list[int] | tuple = ()
     ) -> DrafterConfig:
         """Fill every None from the target's Hugging Face config and check the result.
 
-        `reserved_ids` are special tokens the tokenizer knows but never emits (Llama 3's reserved ones).
+        `mask_ids` are the special tokens nothing writes (`target_model.mask_candidates`: Llama 3's reserved ones,
+        SmolLM2's unused ones), in the order MASK takes them when the embedding has no row past the tokenizer's.
         """
         tc = target_config
         text = getattr(tc, "text_config", None) or tc  # multimodal targets keep the LM config inside
@@ -159,23 +165,24 @@ class DrafterConfig:
         if out.mask_token_id is None:
             if tokenizer_len is not None and tokenizer_len < out.vocab_size:
                 out.mask_token_id = tokenizer_len  # the first row past the tokenizer's tokens
-            elif reserved_ids:
-                out.mask_token_id = reserved_ids[0]
+            elif mask_ids:
+                out.mask_token_id = mask_ids[0]
             else:
                 raise ConfigError(
-                    f"mask_token_id: the tokenizer has {tokenizer_len} tokens and the embedding "
-                    f"{out.vocab_size} rows, with no spare or reserved row for MASK; set mask_token_id"
+                    f"mask_token_id: the tokenizer has {tokenizer_len} tokens and the embedding {out.vocab_size} "
+                    "rows, and no special token that neither the chat template nor the tokenizer's named tokens "
+                    "write, so no row can be MASK; set model.drafter.mask_token_id to a row no data token uses"
                 )
-        out.check(tokenizer_len, reserved_ids)
+        out.check(tokenizer_len, mask_ids)
         return out
 
-    def check(self, tokenizer_len: int | None = None, reserved_ids: list[int] | tuple = ()) -> None:
+    def check(self, tokenizer_len: int | None = None, mask_ids: list[int] | tuple = ()) -> None:
         """Raise ConfigError naming the field of any value that cannot work."""
         if self.num_layers < 1:
             raise ConfigError(f"num_layers must be >= 1, got {self.num_layers}")
         if self.block_size < 2:
             raise ConfigError(f"block_size must be >= 2 (an anchor and one drafted slot), got {self.block_size}")
-        if self.gamma is None and self.block_size not in DEFAULT_GAMMA and not self.preset.sample_from_anchor:
+        if self.gamma is None and self.layout.default_gamma(self.block_size) is None:
             raise ConfigError(f"gamma: no default for block_size {self.block_size}; set gamma")
         if self.gamma is not None and self.gamma <= 0:
             raise ConfigError(f"gamma must be > 0, got {self.gamma}")
@@ -203,10 +210,17 @@ class DrafterConfig:
                     f"(vocab_size {self.vocab_size})"
                 )
             emitted = tokenizer_len is not None and self.mask_token_id < tokenizer_len
-            if emitted and self.mask_token_id not in reserved_ids:
+            if emitted and self.mask_token_id not in mask_ids:
+                if tokenizer_len < self.vocab_size:
+                    instead = f"use a row past them, e.g. {tokenizer_len}"
+                elif mask_ids:
+                    instead = f"use a special token nothing writes, e.g. {mask_ids[0]} (docs/method.md section 3)"
+                else:
+                    instead = "the embedding has no row past them and no special token nothing writes"
                 raise ConfigError(
-                    f"mask_token_id {self.mask_token_id} is a token the tokenizer emits (it has "
-                    f"{tokenizer_len} tokens); use a row past them, e.g. {tokenizer_len}"
+                    f"mask_token_id {self.mask_token_id} is a token the tokenizer emits (it has {tokenizer_len} "
+                    f"tokens, and it is not a special token that neither the chat template nor the tokenizer's "
+                    f"named tokens write); {instead}"
                 )
         self._check_layer_types()
         self._check_variant()
@@ -236,7 +250,12 @@ class DrafterConfig:
 
     def _check_variant(self) -> None:
         for part in self.preset.parts:  # a part's settings are checked where the variant has the part
-            getattr(self, part.name).check(self)
+            settings = getattr(self, part.name)
+            for f in fields(settings):  # every part's numbers: NaN and inf train nothing
+                value = getattr(settings, f.name)
+                if isinstance(value, float) and not math.isfinite(value):
+                    raise ConfigError(f"{part.name}.{f.name} must be a finite number, got {value}")
+            settings.check(self)
 
     def attention_rule(self, layer: int) -> tuple[int | None, bool]:
         """(window W or None, causal inside the block) of a drafter layer: the mask it attends under."""
@@ -252,10 +271,8 @@ class DrafterConfig:
 
     @property
     def loss_gamma(self) -> float:
-        """Gamma of the slot weights, with the per-block-size default."""
-        if self.gamma is not None:
-            return self.gamma
-        return ANCHOR_FIRST_GAMMA if self.preset.sample_from_anchor else DEFAULT_GAMMA[self.block_size]
+        """Gamma of the slot weights, with the block layout's default."""
+        return self.gamma if self.gamma is not None else self.layout.default_gamma(self.block_size)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict of every field, a part's settings as a dict (for checkpoints; `from_dict` reads it back)."""
@@ -278,6 +295,28 @@ class DrafterConfig:
             shape = set(part.config_fields.values())
             out += [f"{part.name}.{f.name}" for f in fields(getattr(self, part.name)) if f.name not in shape]
         return out
+
+
+def check_unused_parts(config: DrafterConfig) -> None:
+    """Refuse a part's setting given a value other than its default where the variant lacks the part (it would be
+    ignored), naming the setting and the variants that have the part. Checked where a user sets them (the module),
+    not on checkpoints or folders."""
+    for part in ALL_PARTS:
+        if part in config.preset.parts:
+            continue
+        settings, defaults = getattr(config, part.name), part.settings_type()
+        changed = [f.name for f in fields(settings) if getattr(settings, f.name) != getattr(defaults, f.name)]
+        if not changed:
+            continue
+        key = f"model.drafter.{part.name}."
+        given = ", ".join(f"{key}{name}={getattr(settings, name)}" for name in changed)
+        default = ", ".join(f"{key}{name}={getattr(defaults, name)}" for name in changed)
+        users = ", ".join(v for v, p in PRESETS.items() if part in p.parts)
+        raise ConfigError(
+            f"{given}: variant '{config.variant}' has no {part.name} part, so {'it' if len(changed) == 1 else 'they'}"
+            f" would be ignored; the variants with it: {users}. Set model.drafter.variant to one of those, or drop "
+            f"the setting{'s' if len(changed) > 1 else ''} from the config and command line (or override with the "
+            f"default: {default})")
 
 
 def _plain(value: Any) -> Any:
@@ -324,4 +363,7 @@ def _rope_settings(text_config: Any) -> tuple[float, dict[str, Any] | None]:
     return theta, (dict(scaling) if scaling else None)
 
 
-__all__ = ["VARIANTS", "ConfigError", "DrafterConfig", "default_target_layer_ids", "upgrade_fields", "upgrade_record"]
+__all__ = [
+    "VARIANTS", "ConfigError", "DrafterConfig", "check_unused_parts", "default_target_layer_ids", "upgrade_fields",
+    "upgrade_record",
+]

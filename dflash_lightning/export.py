@@ -23,8 +23,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from dflash_lightning.blocks import first_slot
 from dflash_lightning.config import ConfigError, DrafterConfig, _rope_settings
+from dflash_lightning.decoding.calibration import fits_for, fold, pick_temperature, read_calibration
 from dflash_lightning.hf.modeling_dflash import __all__ as REMOTE_CLASSES
 from dflash_lightning.long_runs.atomic import write_dir_atomic
 from dflash_lightning.long_runs.checkpointing import CheckpointError, load_checkpoint, nonfinite_weights
@@ -77,11 +77,9 @@ def hf_config(cfg: DrafterConfig, dtype: DType) -> dict[str, Any]:
     architecture = preset.architecture
     dflash = {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)}
     top_level = {}
-    if preset.sample_from_anchor:  # section 12: the engines read these at the top level; the layout always written
-        top_level |= {**dflash, "sample_from_anchor": True}
     for part in preset.parts:
-        dflash |= part.export_fields(getattr(cfg, part.name))
-        top_level |= part.top_level_fields(getattr(cfg, part.name))
+        dflash |= part.export_fields(getattr(cfg, part.name), cfg)
+        top_level |= part.top_level_fields(getattr(cfg, part.name), cfg)
     return {
         "architectures": [architecture],
         "model_type": "qwen3",
@@ -113,25 +111,31 @@ def hf_config(cfg: DrafterConfig, dtype: DType) -> dict[str, Any]:
 
 
 def serve_commands(folder: str | Path, cfg: DrafterConfig, target: str | None = None) -> dict[str, str]:
-    """The vLLM and SGLang commands that serve a drafter folder for its target, with the trained block size.
+    """The vLLM and SGLang commands that serve a drafter folder for its target, with the trained block size; an
+    engine without a runtime for the preset (`Preset.vllm_method` or `sglang_algorithm` None) has none.
 
     vLLM never reads a DFlash `block_size`: its block is 1 + `num_speculative_tokens`, so that is set to the drafts
-    of a block, B - 1 (anchor-first, section 12: B). SGLang reads `block_size` itself; its
-    `--speculative-<algorithm>-block-size` flag states it anyway, so the command says what is served.
+    of a block (`BlockLayout.drafts`: B - 1, DSpark's anchor-first block B), with the parts' own keys
+    (`Part.speculative_config`). SGLang reads `block_size` itself; its `--speculative-<algorithm>-block-size` flag
+    states it anyway, so the command says what is served.
     """
     model = shlex.quote(str(target)) if target else "TARGET_MODEL"
-    spec = json.dumps({"method": cfg.preset.vllm_method, "model": str(folder),
-                       "num_speculative_tokens": cfg.block_size - first_slot(cfg.preset.sample_from_anchor)})
-    algorithm = cfg.preset.sglang_algorithm
-    draft = shlex.quote(str(folder))
-    return {
-        "vllm": f"vllm serve {model} --speculative-config {shlex.quote(spec)}",
-        "sglang": (
-            f"python -m sglang.launch_server --model-path {model} "
-            f"--speculative-algorithm {algorithm} "
-            f"--speculative-draft-model-path {draft} --speculative-{algorithm.lower()}-block-size {cfg.block_size}"
-        ),
-    }
+    preset, commands = cfg.preset, {}
+    if preset.vllm_method is not None:
+        spec = {"method": preset.vllm_method, "model": str(folder),
+                "num_speculative_tokens": cfg.layout.drafts(cfg.block_size)}
+        for part in preset.parts:
+            spec |= part.speculative_config(getattr(cfg, part.name))
+        commands["vllm"] = f"vllm serve {model} --speculative-config {shlex.quote(json.dumps(spec))}"
+    algorithm = preset.sglang_algorithm
+    if algorithm is not None:
+        draft = shlex.quote(str(folder))
+        flags = [flag for part in preset.parts for flag in part.sglang_args(getattr(cfg, part.name))]
+        commands["sglang"] = " ".join([
+            f"python -m sglang.launch_server --model-path {model} --speculative-algorithm {algorithm}",
+            f"--speculative-draft-model-path {draft} --speculative-{algorithm.lower()}-block-size {cfg.block_size}",
+            *flags])
+    return commands
 
 
 def cast_weights(state: dict[str, Tensor], dtype: DType | None, source: str) -> dict[str, Tensor]:
@@ -170,11 +174,16 @@ def config_from_hf(raw: dict[str, Any]) -> DrafterConfig:
     if dtype is not None and dtype not in DTYPES:
         raise ConfigError(f"drafter config.json: dtype {dtype!r} is not one of {sorted(DTYPES)}")
     # a part's fields in dflash_config, else at the top level (DSpark's, section 12), the order SGLang reads them in
+    differ = [k for k in dflash if k in raw and raw[k] != dflash[k]]
+    if differ:  # each engine reads one or the other (SGLang refuses Domino's emb_dim so)
+        k = differ[0]
+        raise ConfigError(f"drafter config.json: dflash_config.{k} ({dflash[k]!r}) and the top-level {k} "
+                          f"({raw[k]!r}) differ; the engines read one or the other")
     fields = {**raw, **dflash}
     variant = variant_of_folder(raw.get("architectures"), fields, "drafter config.json")
-    layout = raw.get("sample_from_anchor")
-    if layout is not None and layout is not preset(variant).sample_from_anchor:
-        raise ConfigError(f"drafter config.json: sample_from_anchor {layout!r} is not the block layout of a "
+    stated = raw.get("sample_from_anchor")  # how the engines read a folder's block layout (docs/method.md 12)
+    if stated is not None and stated is not preset(variant).layout.anchor_first:
+        raise ConfigError(f"drafter config.json: sample_from_anchor {stated!r} is not the block layout of a "
                           f"{preset(variant).architecture} (docs/method.md 3 and 12), which this package trains")
     parts = {part.name: part.read_fields(fields, "drafter config.json") for part in preset(variant).parts}
     rope_theta, rope_scaling = _rope_settings(SimpleNamespace(**raw))
@@ -263,7 +272,22 @@ def export_checkpoint(ckpt_path: str | Path, out_dir: str | Path, dtype: DType |
     `dtype` None: the dtype the drafter was trained in (bf16-true and bf16-mixed: bfloat16), else as stored.
     """
     cfg, state, _, precision = _read_checkpoint(ckpt_path)  # config and weights checked there, once
-    return _write_checked(cfg, state, out_dir, dtype or PRECISION_DTYPES.get(str(precision)))[0]
+    return _write_checked(cfg, state, out_dir, served_dtype(cfg, dtype, precision))[0]
+
+
+def served_dtype(cfg: DrafterConfig, dtype: DType | None, precision: str | None) -> DType | None:
+    """The folder's dtype: `dtype`, else the one the drafter's parts require (`Part.folder_dtype`: Domino's bf16),
+    else the trained one; a `dtype` the parts' engines refuse is refused in one line."""
+    required = {part.folder_dtype: part for part in cfg.preset.parts if part.folder_dtype is not None}
+    if len(required) > 1:
+        raise ConfigError(f"the {cfg.variant} drafter's parts require different dtypes: {sorted(required)}")
+    if not required:
+        return dtype or PRECISION_DTYPES.get(str(precision))
+    (need, part), = required.items()
+    if dtype is not None and dtype != need:
+        raise ConfigError(f"dtype {dtype}: a {cfg.variant} drafter's folder is served only in {need} (its "
+                          f"{part.name} part's engines refuse other weights); export it with dtype {need} or none")
+    return need
 
 
 def write_folder(cfg: DrafterConfig, state: dict[str, Tensor], out_dir: str | Path, dtype: DType | None = None) -> Path:
@@ -416,18 +440,34 @@ def load_drafter(path: str | Path, target_path: str | None = None) -> DFlashDraf
     return build_drafter(cfg, state, target)
 
 
-def export(*, checkpoint: str, out: str, dtype: DType | None = None) -> Path:
+def export(*, checkpoint: str, out: str, dtype: DType | None = None, calibration: str | None = None,
+           calibration_temperature: float | None = None) -> Path:
     """Export a DFlashModule checkpoint as a Hugging Face folder for vLLM, SGLang and transformers.
 
     Args:
         checkpoint: Lightning `.ckpt` file written while training a DFlashModule.
         out: Folder to write config.json, model.safetensors and modeling_dflash.py to, all or nothing; other files
             already in it are kept, other weight files are refused.
-        dtype: Dtype of the saved weights and of config.json's `dtype`; None: the dtype the drafter was trained in.
+        dtype: Dtype of the saved weights and of config.json's `dtype`; None: the dtype the drafter was trained in (a
+            Domino drafter's: bfloat16, the only one SGLang serves it in).
+        calibration: calibration.json of `calibrate` for this drafter: its fit for the serving temperature is
+            folded into the weights (`Part.fold_calibration`; DSpark: the affine map into `confidence_head.proj`,
+            so vLLM's raw sigmoid serves the calibrated confidence).
+        calibration_temperature: The temperature the folder is served at, whose fit is folded; None: the file's
+            only one.
     """
     cfg, state, target, precision = _read_checkpoint(checkpoint)
-    folder, saved = _write_checked(cfg, state, out, dtype or PRECISION_DTYPES.get(str(precision)))
+    if calibration is not None:  # checked and folded before anything is written
+        table = read_calibration(calibration)
+        calibration_temperature = pick_temperature(table, calibration_temperature, calibration)
+        state = fold(cfg.preset.parts, state, fits_for(table, calibration_temperature, calibration), calibration)
+    elif calibration_temperature is not None:
+        raise ConfigError("--calibration_temperature without --calibration: give the calibration.json to fold")
+    folder, saved = _write_checked(cfg, state, out, served_dtype(cfg, dtype, precision))
     print(f"exported {checkpoint} -> {folder} ({saved} weights, block size {cfg.block_size})")
+    if calibration is not None:
+        print(f"folded {calibration}'s fit for temperature {calibration_temperature:g} into the weights: serve the "
+              f"folder at that temperature (the engines' own calibration files are for the unfolded weights)")
     print_serve_commands(folder, cfg, target, saved)
     return folder
 
@@ -435,11 +475,21 @@ def export(*, checkpoint: str, out: str, dtype: DType | None = None) -> Path:
 def print_serve_commands(folder: Path, cfg: DrafterConfig, target: str | None, dtype: str) -> None:
     """Print the vLLM and SGLang commands that serve `folder`, and what to watch for."""
     commands = serve_commands(folder, cfg, target)
-    drafts = cfg.block_size - first_slot(cfg.preset.sample_from_anchor)
-    print(f"serve with vLLM (num_speculative_tokens = {drafts} drafts of a block of {cfg.block_size}):\n"
-          f"  {commands['vllm']}")
-    print(f"serve with SGLang (reads block_size {cfg.block_size} and dtype {dtype} from config.json):\n"
-          f"  {commands['sglang']}")
+    drafts = cfg.layout.drafts(cfg.block_size)
+    architecture = cfg.preset.architecture
+    if "vllm" in commands:
+        print(f"serve with vLLM (num_speculative_tokens = {drafts} drafts of a block of {cfg.block_size}):\n"
+              f"  {commands['vllm']}")
+    else:
+        print(f"vLLM: no runtime serves this drafter (a {architecture} with its parts), so no vLLM command")
+    if "sglang" in commands:
+        print(f"serve with SGLang (reads block_size {cfg.block_size} and dtype {dtype} from config.json):\n"
+              f"  {commands['sglang']}")
+    else:
+        print(f"SGLang: no runtime serves this drafter (a {architecture} with its parts), so no SGLang command")
+    for part in cfg.preset.parts:
+        for note in part.serve_notes(getattr(cfg, part.name)):
+            print(note)
     if target is None:
         print("TARGET_MODEL: the target model the drafter was trained for")
     if dtype == "float32":
@@ -450,5 +500,5 @@ def print_serve_commands(folder: Path, cfg: DrafterConfig, target: str | None, d
 __all__ = [
     "ExportError", "build_drafter", "cast_weights", "check_state_dict", "export_checkpoint", "hf_config",
     "import_folder", "load_drafter", "print_serve_commands", "read_checkpoint", "read_drafter", "replace_folder",
-    "serve_commands", "weights_dtype", "write_config", "write_folder",
+    "serve_commands", "served_dtype", "weights_dtype", "write_config", "write_folder",
 ]

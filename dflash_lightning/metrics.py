@@ -9,18 +9,23 @@ import torch
 from torch import Tensor
 from torchmetrics import Metric
 
+from dflash_lightning.blocks import FILL_IN, BlockLayout
+
 
 class DraftMetrics(Metric):
     """Per-slot top-k accuracy and the acceptance-length estimates of drafted blocks."""
 
     full_state_update = False
 
-    def __init__(self, block_size: int, topk: tuple[int, ...] = (1, 5, 10), first: int = 1, **kwargs) -> None:
-        """`first`: the first slot that drafts (`blocks.first_slot`: 0 in an anchor-first block)."""
+    def __init__(self, block_size: int, topk: tuple[int, ...] = (1, 5, 10), layout: BlockLayout = FILL_IN,
+                 **kwargs) -> None:
+        """`layout`: the block layout; accuracies are of the slots that predict, the accepted prefix of those that
+        draft (`BlockLayout.draft_slots`)."""
         super().__init__(**kwargs)
         if 1 not in topk:
             raise ValueError(f"topk must include 1 (plain accuracy), got {topk}")
-        self.block_size, self.topk, self.first = block_size, tuple(sorted(topk)), first
+        self.block_size, self.topk, self.first = block_size, tuple(sorted(topk)), layout.first_slot
+        self.draft_slots = layout.draft_slots(block_size)
         self.add_state("hits", torch.zeros(len(self.topk), block_size), dist_reduce_fx="sum")  # [k, B]
         self.add_state("slots", torch.zeros(block_size), dist_reduce_fx="sum")  # [B]
         self.add_state("accepted", torch.zeros(()), dist_reduce_fx="sum")
@@ -34,10 +39,9 @@ class DraftMetrics(Metric):
             self.hits[i] += (match[..., :k].any(-1) & supervised).sum(0).float()
         self.slots += supervised.sum(0).float()
         correct = match[..., 0] & supervised
-        # Accepted prefix: consecutive correct slots from the first draft; only blocks with a valid anchor count.
-        first = self.first
-        valid_block = supervised[:, first]
-        self.accepted += (correct[:, first:].int().cumprod(-1).sum(-1) * valid_block).sum().float()
+        # Accepted prefix: consecutive correct drafts from the first; only blocks with a valid anchor count.
+        valid_block = supervised[:, self.first]
+        self.accepted += (correct[:, self.draft_slots].int().cumprod(-1).sum(-1) * valid_block).sum().float()
         self.blocks += valid_block.sum().float()
 
     def compute(self) -> dict[str, Tensor]:
@@ -50,5 +54,5 @@ class DraftMetrics(Metric):
             for slot in range(self.first, self.block_size):
                 out[f"{name}/slot_{slot:02d}"] = acc[i, slot]
         out["tau"] = 1 + self.accepted / self.blocks.clamp_min(1)
-        out["tau_coarse"] = 1 + acc[0, self.first:].cumprod(0).sum()
+        out["tau_coarse"] = 1 + acc[0, self.draft_slots].cumprod(0).sum()
         return out

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from dflash_lightning.blocks import block_input_ids, block_labels, build_block_mask, first_slot, teacher_positions
+from dflash_lightning.blocks import block_input_ids, block_labels, build_block_mask, teacher_positions
 from dflash_lightning.config import DrafterConfig
 from dflash_lightning.loss import LossSettings, chunked_head_loss, rank_mean_weight
 from dflash_lightning.parts.base import HeadOutput, Part, PartOutput, TrainInputs
@@ -201,7 +201,7 @@ class DraftOutput:
     """What one training forward returns; `topk` is None unless asked for."""
 
     loss: Tensor
-    """The objective, sum(w * objective) / sum(w)."""
+    """The objective, sum(w * objective) / sum(w) (or a part's `loss_denominator`)."""
     ce: Tensor
     """Weighted cross-entropy against the labels, sum(w * CE) / sum(w), whatever the objective (no gradient)."""
     weights: Tensor
@@ -338,27 +338,30 @@ class DFlashDrafter(nn.Module):
         (parts/base.py): inside the head loop (`head_chunk`) and after it (`loss`).
         """
         B, settings = self.config.block_size, self.loss_settings
-        anchor_first = self.config.preset.sample_from_anchor  # the block layout: section 3, or 12's anchor-first
-        first = first_slot(anchor_first)
+        layout = self.config.layout  # which position each slot predicts, which slots train (blocks.BlockLayout)
+        first = layout.first_slot
         hidden, context = self._blocks(features, input_ids, position_ids, doc_ids, anchors, anchor_valid)
-        labels, weights = block_labels(input_ids, loss_mask, doc_ids, anchors, anchor_valid, slot_weights,
-                                       anchor_first)
+        labels, weights = block_labels(input_ids, loss_mask, doc_ids, anchors, anchor_valid, slot_weights, layout)
         # The token before each slot's label (slot 1: the anchor), where the target's state that predicts it sits.
-        before = teacher_positions(anchors, B, input_ids.numel(), anchor_first)  # [A, B]
+        before = teacher_positions(anchors, B, input_ids.numel(), layout)  # [A, B]
         head, head_t = self.head_fp8 or (self.head_weight, None)
         batch = TrainInputs(hidden, context, input_ids, position_ids, doc_ids, anchors, anchor_valid, labels,
-                            weights > 0, before, final_hidden, self.embed_weight, self.head_weight, first)
+                            weights > 0, before, final_hidden, self.embed_weight, self.head_weight, layout)
         in_loop = [(part, part.head_inputs(batch)) for part in self.parts]
         in_loop = tuple((part, rows) for part, rows in in_loop if rows is not None)
         # In section 3's block slot 0 (the anchor, given) has weight 0 under every rule and leaves D-PACE's weights
         # of the others as they are, so it skips the head: A*(B-1) rows, 1/B fewer head FLOPs, still a fixed shape.
-        # Anchor-first every slot predicts: A*B rows.
+        # Anchor-first every slot is trained: A*B rows.
         total, ce, used, top, from_loop = self.head_loss(
             hidden[:, first:].flatten(0, 1), head, labels[:, first:].flatten(), weights[:, first:].flatten(),
             self.head_chunk_size, topk, B - first, settings, final_hidden,
             before[:, first:].flatten() if settings.distills else None, head_t, in_loop,
         )
-        denominator = rank_mean_weight(used).clamp_min(1e-12)
+        weight_sum = rank_mean_weight(used).clamp_min(1e-12)
+        own = [d for part in self.parts if (d := part.loss_denominator(batch)) is not None]
+        if len(own) > 1:
+            raise ValueError("two parts set the loss's denominator (Part.loss_denominator)")
+        denominator = rank_mean_weight(own[0]).clamp_min(1e-12) if own else weight_sum
         loss = total / denominator
         heads = {id(part): HeadOutput(logged / denominator, rows)
                  for (part, _), (logged, rows) in zip(in_loop, from_loop, strict=True)}
@@ -369,7 +372,7 @@ class DFlashDrafter(nn.Module):
                 loss = loss + out.loss
             outputs[part.name] = out
         return DraftOutput(
-            loss=loss, ce=ce / denominator, weights=_with_slot_0(used.view(-1, B - first), 0.0, first),
+            loss=loss, ce=ce / weight_sum, weights=_with_slot_0(used.view(-1, B - first), 0.0, first),
             supervised=weights > 0, labels=labels,
             topk=None if top is None else _with_slot_0(top.unflatten(0, (-1, B - first)), -1, first), parts=outputs,
         )

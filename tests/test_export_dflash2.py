@@ -1,5 +1,5 @@
 """DFlash2 folders (docs/method.md section 10): the config and key set the engines' and the reference's loaders read,
-the round trip through import_folder, refusals of inconsistent folders, and the reference DFlash2DraftModel."""
+refusals of inconsistent folders, and the reference DFlash2DraftModel."""
 
 from __future__ import annotations
 
@@ -92,24 +92,12 @@ def test_serve_commands_fit_a_dflash2_folder(drafter, folder):
     assert commands["sglang"].endswith("--speculative-dflash-block-size 8")
 
 
-def test_round_trip_keeps_dflash2_config_and_weights(drafter, tmp_path):
-    out = write_folder(drafter.config, drafter.state_dict(), tmp_path / "d")
-    cfg, state = import_folder(out)
-    assert cfg.to_dict() == drafter.config.to_dict() and cfg.variant == "dflash2"
-    expected = drafter.state_dict()
-    assert set(state) == set(expected)
-    for k, v in state.items():
-        assert torch.equal(v, expected[k]), k
-    again = write_folder(cfg, state, tmp_path / "again")
-    assert (again / "config.json").read_text() == (out / "config.json").read_text()
-
-
 @pytest.mark.parametrize("edit,message", [
     (lambda c: c["dflash_config"].pop("selector_rank"), r"DFlash2DraftModel lacks dflash_config\.selector_rank"),
     (lambda c: c.update(architectures=["DFlashDraftModel"]),
      r"DFlashDraftModel has field\(s\) dflash_config\.conv_kernel_size"),
     (lambda c: c.update(architectures=["Qwen3ForCausalLM"]), r"architectures \['Qwen3ForCausalLM'\] is not one of"),
-    (lambda c: c["dflash_config"].update(conv_group_size=7), r"conv_group_size \(7\) must .* divide hidden_size"),
+    (lambda c: c["dflash_config"].update(conv_group_size=7), r"conv_group_size \(7\) must divide hidden_size"),
     (lambda c: c["dflash_config"].update(selector_top_k="4"), r"dflash_config\.selector_top_k must be an integer"),
 ])
 def test_inconsistent_dflash2_folder_is_refused(folder, tmp_path, edit, message):

@@ -581,13 +581,15 @@ def test_draft_walks_the_decoders_lattice():
     for context_last in (context, None):
         inputs = DraftInputs(hidden=hidden, logits=logits, first_prev=torch.tensor(3), context_last=context_last,
                              embed_weight=embed, temperature=0.0, generator=None)
-        tokens, q = m.draft(inputs)
+        drafted = m.draft(inputs)
+        tokens, q = drafted.tokens, drafted.q
         anchor = (context if context_last is not None else torch.zeros(H, dtype=torch.float64))[None]
         start, pair = m.scores(embed[ids][None], logits.log_softmax(-1).gather(-1, ids)[None], hidden[None], anchor,
                                torch.tensor([context_last is not None]))
         assert q is None and tokens.tolist() == ids.gather(1, greedy_walk(start, pair)[0, :, None])[:, 0].tolist()
     inputs = replace(inputs, temperature=0.8, generator=torch.Generator().manual_seed(0))
-    tokens, q = m.draft(inputs)
+    drafted = m.draft(inputs)
+    tokens, q = drafted.tokens, drafted.q
     assert q.shape == (S, V) and torch.allclose(q.sum(-1), torch.ones(S, dtype=q.dtype))
     assert torch.equal(q > 0, torch.zeros(S, V, dtype=torch.bool).scatter(1, ids, True))
     assert all(int(tok) in ids[t].tolist() for t, tok in enumerate(tokens))

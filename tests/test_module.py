@@ -116,7 +116,7 @@ def test_checkpoint_has_only_drafter_weights(tiny_target):
 ])
 def test_bad_configs_fail_before_any_compute(tiny_target, drafter, kw, message):
     with pytest.raises(ConfigError, match=message):
-        DFlashModule(str(tiny_target), drafter, **{"token_budget": 64, **kw})
+        DFlashModule(str(tiny_target), drafter, **{"token_budget": 64, "num_anchors": 8, **kw})
 
 
 def test_missing_target_is_named(tmp_path):

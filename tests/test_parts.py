@@ -22,8 +22,9 @@ PACKAGE = Path(dflash_lightning.__file__).parent
 
 def test_no_code_outside_the_preset_table_names_a_variant():
     """A variant's name appears as a string only in parts/presets.py (docstrings and comments aside); a name that is
-    also a part's (`lilicorr`: its settings field and weight prefix) only where it is never compared."""
-    part_names = {n for part in ALL_PARTS for n in (part.name, part.weight_prefix)}
+    also a part's (`lilicorr`: its settings field and weight prefix; `dspark`: its heads' metric prefix) only where it
+    is never compared."""
+    part_names = {n for part in ALL_PARTS for n in (part.name, part.weight_prefix, part.prefix())}
     offenders = []
     for path in PACKAGE.rglob("*.py"):
         if path.name == "presets.py" or "hf" in path.parts:  # the served modelling file stands alone

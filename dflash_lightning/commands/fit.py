@@ -41,8 +41,12 @@ from dflash_lightning.long_runs.preemption import Preemption
 from dflash_lightning.module import DFlashModule
 from dflash_lightning.pictures.image_logging import ImageLogging
 from dflash_lightning.target_model import TargetFeatures
+from dflash_lightning.target_model.callback import check_target_settings
 
 log = logging.getLogger(__name__)
+
+TARGET_PATHS = ("target.path", "model.target", "spec_eval.target", "data.tokenizer", "data.target")
+"""`target.path` and the settings it is linked to."""
 
 
 class DFlashCLI(TypedSettingsCLI):
@@ -76,11 +80,16 @@ class DFlashCLI(TypedSettingsCLI):
             parser.link_arguments("model", key, compute_fn=_needs_final_hidden, apply_on="instantiate")
 
     def before_instantiate_classes(self) -> None:
-        """An accelerator this machine lacks is refused before the model's target is read or downloaded; and
-        `--trainer.enable_progress_bar=false` leaves out the config's progress bar (every shipped config names
-        one), where Lightning would refuse the pair: a cluster's log gets no bar, as asked."""
+        """An accelerator this machine lacks, and a bad `target.*` value, are refused before the model's target is
+        read or downloaded; and `--trainer.enable_progress_bar=false` leaves out the config's progress bar (every
+        shipped config names one), where Lightning would refuse the pair: a cluster's log gets no bar, as asked."""
         config = self.config[self.subcommand] if self.subcommand else self.config
+        for key in TARGET_PATHS:  # `~/...` (configs/smollm2-135m.yaml): every reader gets the home folder spelled out
+            value = config.get(key)
+            if isinstance(value, str) and value.startswith("~"):
+                config[key] = str(Path(value).expanduser())
         check_accelerator(config.trainer.get("accelerator"))
+        check_target_settings(**config.target.as_dict())
         callbacks = config.trainer.get("callbacks")
         if config.trainer.get("enable_progress_bar") is not False or not isinstance(callbacks, list):
             return

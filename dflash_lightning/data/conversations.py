@@ -338,6 +338,13 @@ class TokenizedSamples:
             return f"sample {i}"
         return f"{self.sources[int(self.doc_source[i])]}{int(self.doc_record[i])}"
 
+    def find(self, token_id: int) -> str | None:
+        """The location of the first document holding `token_id`, or None where none does."""
+        hits = (self.input_ids == token_id).nonzero()
+        if not hits.numel():
+            return None
+        return self.location(int(torch.searchsorted(self.starts, hits[0, 0].long(), right=True)) - 1)
+
     def report(self, name: str, min_supervised: int) -> str:
         """One line: what was kept, truncated and dropped, and why."""
         kept, read = self.counts.get("kept", 0), self.counts.get("read", 0)

@@ -285,8 +285,19 @@ class DFlashDataModule(LightningDataModule):
         module = self.trainer.lightning_module if self.trainer is not None else None
         if hasattr(module, "drafter_config"):  # values given by hand must agree with the module's
             check_wiring(module, self)
+            self.check_mask_absent(module.drafter_config.mask_token_id, splits)
         if self.hparams.feature_cache is not None:
             self._open_feature_cache([s for s in splits if s not in self._features])
+
+    def check_mask_absent(self, mask_token_id: int, splits: list[str]) -> None:
+        """Refuse data holding the drafter's MASK token: a block's MASK slots would look like that data token."""
+        for split in splits:
+            where = self.samples(split).find(mask_token_id)
+            if where is not None:
+                text = self.tokenizer.convert_ids_to_tokens(mask_token_id)
+                raise DataError(where, f"holds token {mask_token_id} ({text!r}), the drafter's MASK",
+                                "set model.drafter.mask_token_id to a token the data never holds "
+                                "(docs/method.md section 3)")
 
     def samples(self, split: Literal["train", "val"]) -> TokenizedSamples:
         """The tokenized samples of a split, read and tokenized (or loaded from `cache_dir`) on first use."""

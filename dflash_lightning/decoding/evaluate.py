@@ -1,18 +1,17 @@
 """Evaluate a drafter by real speculative decoding, greedy or sampled (docs/method.md sections 5, 6, 6b): tau, speedup.
 
 `evaluate` works on an in-memory drafter and Hugging Face target on any device (training-time validation
-calls it); `evaluate_drafter` (`python -m dflash_lightning evaluate`) runs it per temperature asked for and writes
-report.json and report.png.
+calls it) and returns the report of `summarize`, with each part's own served report; the `evaluate` command
+(`commands/evaluate.py`) runs it per temperature asked for and writes report.json and report.png.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
@@ -20,6 +19,7 @@ from torch import nn
 from dflash_lightning.decoding.speculative import SpeculativeDecoder
 from dflash_lightning.hf.modeling_dflash import check_sampling
 from dflash_lightning.model import DFlashDrafter
+from dflash_lightning.parts.base import Part, ServedSettings
 
 
 def prompt_ids(tokenizer: Any, row: dict[str, Any], enable_thinking: bool = False) -> list[int]:
@@ -65,6 +65,8 @@ def evaluate(
     top_p: float = 1.0,
     top_k: int = 0,
     seed: int = 0,
+    baseline: bool = True,
+    served: ServedSettings | None = None,
 ) -> dict[str, Any]:
     """Speculative and target-only decoding of every prompt (greedy at temperature 0, else sampled with top-p and
     top-k); the report of `summarize` and the sampling settings.
@@ -72,6 +74,8 @@ def evaluate(
     The drafter must sit on the target's device with its embedding and head attached (or it takes the
     target's). `prompts` are rows with `messages` or `prompt` and an optional `category`. Prompt i samples from
     its own random stream `prompt_seed(seed, i)`, so a report is reproduced by its seed, prompt by prompt.
+    `baseline` false skips the target alone (no speedup, no mismatch count: `calibrate` needs only the served
+    blocks); `served`: what the parts' served reports are given (a cost model, a calibration).
     """
     check_sampling(temperature, top_p, top_k)
     sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k)
@@ -85,7 +89,8 @@ def evaluate(
     encoded = [torch.tensor(prompt_ids(tokenizer, row, enable_thinking), device=device) for row in prompts]
     if warmup and encoded:  # first calls pay for kernel selection and allocation, not decoding
         decoder.generate(encoded[0], min(8, max_new_tokens), stop, **sampling)
-        decoder.target_generate(encoded[0], min(8, max_new_tokens), stop, **sampling)
+        if baseline:
+            decoder.target_generate(encoded[0], min(8, max_new_tokens), stop, **sampling)
     records = []
     label = f"temperature {temperature:g}: speculative decoding" if temperature else "speculative decoding"
     with _progress(progress) as bar:
@@ -94,25 +99,39 @@ def evaluate(
             spec = decoder.generate(ids, max_new_tokens, stop, **sampling,
                                     generator=_generator(device, prompt_seed(seed, i)) if temperature else None)
             base = decoder.target_generate(ids, max_new_tokens, stop, **sampling,
-                                           generator=_generator(device, prompt_seed(seed, i)) if temperature else None)
+                                           generator=_generator(device, prompt_seed(seed, i)) if temperature else None
+                                           ) if baseline else None
             records.append({
                 "category": row.get("category"), "prompt_tokens": int(ids.numel()), "new_tokens": len(spec.tokens),
                 "steps": spec.steps, "accepted_lengths": spec.accepted_lengths, "step_tokens": spec.step_tokens,
-                "expected_accepted": spec.expected_accepted, "confidences": spec.confidences,
+                "verified_lengths": verified_lengths(spec.accepted_lengths, decoder.drafts, max_new_tokens),
+                "expected_accepted": spec.expected_accepted, "extras": spec.extras,
                 # sampled outputs differ from the target's own samples by design; only greedy ones must be equal
-                "first_mismatch": first_mismatch(spec.tokens, base.tokens) if temperature == 0 else None,
-                "speculative_seconds": spec.seconds, "target_seconds": base.seconds,
+                "first_mismatch": (first_mismatch(spec.tokens, base.tokens)
+                                   if temperature == 0 and base is not None else None),
+                "speculative_seconds": spec.seconds, "target_seconds": base.seconds if base is not None else None,
             })
             tau = pooled_tau(records)
             bar.update(task, advance=1, description=f"{label}, tau {tau or 0:.2f}")
     drafter.train(modes[0]), target_model.train(modes[1])
-    return {**summarize(records, drafter.config.block_size, max_new_tokens, greedy=temperature == 0,
-                        drafts=decoder.drafts), **sampling, "seed": seed}
+    return {**summarize(records, drafter.config.block_size, max_new_tokens, greedy=temperature == 0 and baseline,
+                        drafts=decoder.drafts, parts=drafter.config.preset.parts, served=served), **sampling,
+            "seed": seed}
 
 
 def prompt_seed(seed: int, index: int) -> int:
     """The seed of prompt `index`'s random stream in a report of seed `seed` (distinct for every pair)."""
     return seed * 1_000_003 + index
+
+
+def verified_lengths(accepted: list[int], drafts: int, max_new_tokens: int) -> list[int]:
+    """Drafts each step verified (`SpeculativeDecoder.generate`): all `drafts` of the block but where the tokens
+    still wanted cut the last step short (a step after t tokens verifies max_new_tokens - t - 1 at most)."""
+    out, made = [], 1  # the prefill made the first token
+    for a in accepted:
+        out.append(max(0, min(drafts, max_new_tokens - made - 1)))
+        made += a + 1
+    return out
 
 
 def first_mismatch(a: list[int], b: list[int]) -> int | None:
@@ -129,7 +148,8 @@ def pooled_tau(records: list[dict[str, Any]]) -> float | None:
 
 
 def summarize(records: list[dict[str, Any]], block_size: int, max_new_tokens: int, greedy: bool = True,
-              drafts: int | None = None) -> dict[str, Any]:
+              drafts: int | None = None, parts: Sequence[type[Part]] = (), served: ServedSettings | None = None
+              ) -> dict[str, Any]:
     """tau, acceptance histogram, per-slot acceptance, per-category tau, speedup and mismatches of per-prompt runs.
 
     tau counts per docs/method.md section 6 (`step_tokens`: a + 1 per step, the last step only up to the stop token or
@@ -141,16 +161,18 @@ def summarize(records: list[dict[str, Any]], block_size: int, max_new_tokens: in
     `min(1, P_i(d_i) / q_i(d_i))` for DFlash2's sampled ones (section 10): a itself when greedy, the sampled
     count's expectation, without its noise, when sampling; it counts the last step whole (its tokens past a stop
     cannot be told apart in expectation), so it can exceed `tau_pooled` by that step's share. Mismatches with the
-    target alone are counted for greedy runs only (None when sampled). `drafts`: drafts a block (None: B - 1; an
-    anchor-first block drafts B). Where the drafter has a confidence head, `adaptive_verification` says what an
-    engine's adaptive verification would make of its confidences.
+    target alone are counted for greedy runs only (None when sampled). `drafts`: drafts a block (None: B - 1; DSpark's
+    anchor-first block drafts B). Each of the drafter's `parts` adds its served report (`Part.served_report` with
+    `served`: DSpark's adaptive verification and calibration of its confidences). Records without the target alone
+    (`target_seconds` None) give no speedup.
     """
     drafts = block_size - 1 if drafts is None else drafts
     accepted = [a for r in records for a in r["accepted_lengths"]]
     histogram = [accepted.count(a) for a in range(drafts + 1)]
     steps = len(accepted)
     spec_s = sum(r["speculative_seconds"] for r in records)
-    target_s = sum(r["target_seconds"] for r in records)
+    timed = [r["target_seconds"] for r in records]
+    target_s = None if None in timed else sum(timed)
     records = [{**r, "tau": pooled_tau([r])} for r in records]  # each prompt's own tau
 
     def taus(rs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -177,71 +199,11 @@ def summarize(records: list[dict[str, Any]], block_size: int, max_new_tokens: in
         "slot_acceptance": [sum(a >= k for a in accepted) / steps if steps else None for k in range(1, drafts + 1)],
         "speculative_seconds": spec_s,
         "target_seconds": target_s,
-        "speedup": target_s / spec_s if spec_s > 0 else None,
+        "speedup": target_s / spec_s if spec_s > 0 and target_s is not None else None,
         "per_category": {c: taus([r for r in records if r["category"] == c]) for c in categories},
-        **({"adaptive_verification": adaptive_verification(records)} if any(
-            r.get("confidences") for r in records) else {}),
+        **{key: value for part in parts for key, value in part.served_report(records, served).items()},
         "prompts": records,
     }
-
-
-ADAPTIVE_THRESHOLDS = (0.3, 0.5, 0.7, 0.9)
-"""Survival thresholds of the adaptive-verification report: a draft is verified while a_k = prod c_i is above."""
-CALIBRATION_BINS = 10
-"""Equal-width confidence bins of the served ECE."""
-
-
-def adaptive_verification(records: list[dict[str, Any]], thresholds: Sequence[float] = ADAPTIVE_THRESHOLDS
-                          ) -> dict[str, Any]:
-    """What verifying only the drafts a confidence head admits would do (docs/method.md 12), from the served steps.
-
-    For each step with confidences c_k and a accepted drafts: at threshold t the engine verifies the prefix whose
-    survival a_k = prod_{i<=k} c_i >= t (n_t drafts) and accepts min(a, n_t) of them. Per threshold: drafts
-    verified and accepted per step, the tau it implies (1 + accepted per step) and the share of verified drafts
-    accepted, beside verifying all. Calibration on the served blocks: draft k is reached when the k drafts before it
-    were accepted; c_k against its acceptance there (ECE per slot and pooled, Brier), and a_k against the
-    acceptance of the whole prefix to k at every step (Brier, bias = mean a_k - acceptance rate): what the engines'
-    per-slot temperature scaling (SGLang's --speculative-dspark-confidence-sts-path) would correct.
-    """
-    steps = [(a, c) for r in records for a, c in zip(r["accepted_lengths"], r["confidences"], strict=True)]
-    n = len(steps)
-    survival = [list(itertools.accumulate(c, lambda x, y: x * y)) for _, c in steps]
-    out: dict[str, Any] = {"steps": n, "all": {
-        "verified_per_step": sum(len(c) for _, c in steps) / n, "accepted_per_step": sum(a for a, _ in steps) / n}}
-    for t in thresholds:
-        admitted = [sum(1 for s in surv if s >= t) for surv in survival]  # survival only falls: a prefix
-        verified, kept = sum(admitted), sum(min(a, m) for (a, _), m in zip(steps, admitted, strict=True))
-        out[f"threshold_{t:g}"] = {"verified_per_step": verified / n, "accepted_per_step": kept / n,
-                                   "tau": 1 + kept / n, "accepted_share": kept / verified if verified else None}
-    width = max(len(c) for _, c in steps)
-    reached = [[(c[k], float(a > k)) for a, c in steps if k <= a and k < len(c)] for k in range(width)]
-    ece = [_ece(pairs) for pairs in reached]
-    pooled = [p for pairs in reached for p in pairs]
-    prefix = [(surv[k], float(a > k)) for (a, _), surv in zip(steps, survival, strict=True) for k in range(len(surv))]
-    out["calibration"] = {
-        "ece": _ece(pooled), "ece_per_slot": ece, "reached_per_slot": [len(p) for p in reached],
-        "brier": sum((c - y) ** 2 for c, y in pooled) / len(pooled),
-        "survival_brier": sum((s - y) ** 2 for s, y in prefix) / len(prefix),
-        "survival_bias": sum(s - y for s, y in prefix) / len(prefix),
-    }
-    return out
-
-
-def _ece(pairs: list[tuple[float, float]]) -> float | None:
-    """Expected calibration error of (confidence, outcome) pairs in equal-width bins; None without pairs."""
-    if not pairs:
-        return None
-    bins: dict[int, list[tuple[float, float]]] = {}
-    for c, y in pairs:
-        bins.setdefault(min(int(c * CALIBRATION_BINS), CALIBRATION_BINS - 1), []).append((c, y))
-    return sum(abs(sum(c for c, _ in b) - sum(y for _, y in b)) for b in bins.values()) / len(pairs)
-
-
-def plot_report(runs: list[dict[str, Any]], path: str | Path) -> None:
-    """report.png (`figures.report_figure`) of the reports of `evaluate`, one series per temperature."""
-    from dflash_lightning.pictures.figures import report_figure
-
-    report_figure(runs).savefig(path, dpi=120)
 
 
 def print_summary(runs: list[dict[str, Any]]) -> None:
@@ -263,7 +225,7 @@ def print_summary(runs: list[dict[str, Any]]) -> None:
         mismatches = "-" if run["mismatches"] is None else str(run["mismatches"])
         table.add_row(f"{run['temperature']:g}", str(run["num_prompts"]), "all", fmt(run["tau_pooled"]),
                       fmt(run["tau_prompt_mean"]), fmt(run["expected_tau_pooled"]), fmt(run["tokens_per_step"]),
-                      fmt(run["speedup"], ".2f") + "x", mismatches)
+                      "-" if run["speedup"] is None else f"{run['speedup']:.2f}x", mismatches)
         for name, c in run["per_category"].items():
             table.add_row("", str(c["num_prompts"]), name, fmt(c["tau_pooled"]), fmt(c["tau_prompt_mean"]),
                           fmt(c["expected_tau_pooled"]), fmt(c["tokens_per_step"]), "", "")
@@ -311,75 +273,6 @@ def read_prompts(path: str | Path, num_prompts: int | None = None) -> list[dict[
     return rows
 
 
-def evaluate_drafter(
-    *,
-    drafter: str,
-    prompts: str,
-    target: str | None = None,
-    out: str = "eval",
-    max_new_tokens: int = 256,
-    num_prompts: int | None = None,
-    device: str = "auto",
-    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16",
-    enable_thinking: bool = False,
-    temperature: str | float = "0",
-    top_p: float = 1.0,
-    top_k: int = 0,
-    seed: int = 0,
-) -> dict[str, Any]:
-    """Measure a drafter by speculative decoding against the target alone; write report.json and report.png.
-
-    report.json holds the report of `evaluate` for the first temperature asked (greedy by default) at the top, and
-    every temperature's, the first one's again, under `per_temperature` (keys as typed: "0", "0.6"). The copy is
-    deliberate: the top level is the one-run format that one-run readers take (benchmarks, notebooks/evaluate.ipynb).
-
-    Args:
-        drafter: Lightning `.ckpt` of a DFlashModule, or an exported Hugging Face drafter folder.
-        prompts: JSONL file of prompts, `{"messages": [...]}` or `{"prompt": "..."}`, optional `"category"`.
-        target: Target model folder or hub id; None: the one named in the checkpoint.
-        out: Folder for report.json and report.png.
-        max_new_tokens: Most tokens generated per prompt.
-        num_prompts: Evaluate only the first N prompts; None: all.
-        device: Device of target and drafter; auto: cuda if available.
-        dtype: Dtype of target and drafter.
-        enable_thinking: Chat-template flag of thinking models (Qwen3); DFlash drafters are trained with it off.
-        temperature: Sampling temperature(s), comma-separated (`0,0.6,1`): a report per temperature; 0 is greedy.
-        top_p: Nucleus sampling: keep the smallest most likely set of tokens reaching this probability; 1: off.
-        top_k: Sample among the k most likely tokens only; 0: off.
-        seed: Seed of the random streams when sampling; the same seed gives the same tokens and tau.
-    """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from dflash_lightning.export import build_drafter, read_drafter
-    from dflash_lightning.target_model import DTYPES, resolve_model_dir
-
-    temperatures = parse_temperatures(temperature)
-    check_sampling(1.0, top_p, top_k)  # settings are refused before anything is loaded
-    rows = read_prompts(prompts, num_prompts)
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    cfg, state, ckpt_target = read_drafter(drafter)
-    target = target or ckpt_target
-    if target is None:
-        raise ValueError("--target is needed for an exported drafter folder")
-    folder = resolve_model_dir(target, "--target")
-    model = build_drafter(cfg, state, target, dtype).to(device)  # cast as engines cast, overflow refused
-    target_model = AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPES[dtype]).to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    runs = [evaluate(model, target_model, tokenizer, rows, max_new_tokens, enable_thinking=enable_thinking,
-                     warmup=i == 0, temperature=t, top_p=top_p, top_k=top_k, seed=seed)
-            for i, t in enumerate(temperatures)]
-    # The first temperature's report at the top, where one-run readers look; every one, that one too, by temperature.
-    report = {**runs[0], "per_temperature": {f"{run['temperature']:g}": run for run in runs}}
-    report.update(drafter=str(drafter), target=str(target), device=str(device), dtype=dtype)
-    out_dir = Path(out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    plot_report(runs, out_dir / "report.png")
-    print_summary(runs)
-    return report
-
-
 def _generator(device: torch.device, seed: int) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(seed)
 
@@ -392,6 +285,6 @@ def _progress(enabled: bool):
 
 
 __all__ = [
-    "evaluate", "evaluate_drafter", "parse_temperatures", "plot_report", "pooled_tau", "prompt_ids", "prompt_seed",
-    "read_prompts", "summarize",
+    "evaluate", "parse_temperatures", "pooled_tau", "print_summary", "prompt_ids", "prompt_seed", "read_prompts",
+    "summarize", "verified_lengths",
 ]

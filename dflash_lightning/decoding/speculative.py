@@ -17,10 +17,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from dflash_lightning.blocks import first_slot, window_rule
+from dflash_lightning.blocks import window_rule
 from dflash_lightning.hf.modeling_dflash import accepted_length, check_sampling, next_token, verify_drafts
 from dflash_lightning.model import DFlashDrafter
-from dflash_lightning.parts.base import DraftInputs
+from dflash_lightning.parts.base import Draft, DraftInputs
 
 
 @dataclass
@@ -39,8 +39,9 @@ class Generation:
     """Wall time of the prefill."""
     expected_accepted: list[float] = field(default_factory=list)
     """Expected accepted drafts of every decode step, `sum_k prod_{i<=k} P_k(d_k)` (a itself when greedy)."""
-    confidences: list[list[float]] = field(default_factory=list)
-    """A confidence head's c_k of every decode step's drafts (DSpark, docs/method.md 12); empty without one."""
+    extras: dict[str, list[list[float]]] = field(default_factory=dict)
+    """A part's own values of every decode step's drafts (`Draft.extras`, e.g. DSpark's `confidence`), by name,
+    one list per step; empty where the drafting rule has none."""
 
     @property
     def step_tokens(self) -> list[int]:
@@ -136,11 +137,11 @@ class SpeculativeDecoder:
         self.layer_ids = list(layer_ids if layer_ids is not None else cfg.target_layer_ids)
         self.mask_token_id = mask_token_id if mask_token_id is not None else cfg.mask_token_id
         self.block_size = block_size or cfg.block_size
-        self.first = first_slot(cfg.preset.sample_from_anchor)  # the first slot that drafts (0: anchor-first)
-        self.drafts = self.block_size - self.first
-        """Drafts per block: B - 1, or B in an anchor-first block (docs/method.md section 12)."""
+        self.draft_slots = cfg.layout.draft_slots(self.block_size)
+        """The slots whose predictions are drafted (`BlockLayout.draft_slots`)."""
+        self.drafts = cfg.layout.drafts(self.block_size)
+        """Drafts per block: B - 1, or B in DSpark's anchor-first block (docs/method.md section 12)."""
         self.cache_arg = _cache_arg(target_model)
-        self.last_confidence: Tensor | None = None
         if drafter.embed_weight is None:  # an in-memory drafter without its IO: take the target's own
             drafter.set_target_io(target_model.get_input_embeddings().weight,
                                   target_model.get_output_embeddings().weight)
@@ -155,26 +156,24 @@ class SpeculativeDecoder:
     def draft(
         self, context: DraftContext, x: Tensor, start: int, temperature: float = 0.0,
         generator: torch.Generator | None = None,
-    ) -> tuple[Tensor, Tensor | None]:
-        """Draft tokens of the block `[x, MASK * (B-1)]` at `start` (slots 1..B-1 predicting start+1..start+B-1, or
-        anchor-first slots 0..B-1 predicting start+1..start+B), and their draft distributions `[drafts, V]` where
-        they are sampled (None: point masses).  # [drafts]
+    ) -> Draft:
+        """The drafts of the block `[x, MASK * (B-1)]` at `start` (the layout's drafting slots: fill-in 1..B-1
+        predicting start+1..start+B-1, DSpark's anchor-first 0..B-1 predicting start+1..start+B), their draft
+        distributions `[drafts, V]` where sampled (None: point masses) and the drafting part's extras.
 
         The backbone proposes each slot's argmax (method.md 6b); a part with its own drafting rule (`Part.decodes`:
         DFlash2's selector, section 10; DSpark's Markov head, 12) drafts instead, greedy or sampled from its q.
         """
         block = torch.full((self.block_size,), self.mask_token_id, dtype=torch.long, device=x.device)
         block[0] = x
-        hidden = context.block_hidden(block, start)[self.first:]  # [drafts, H]
+        block_hidden = context.block_hidden(block, start)  # [B, H]
+        hidden = block_hidden[self.draft_slots]  # [drafts, H]
         logits = self.drafter.logits(hidden)
         rule = next((part for part in self.drafter.parts if part.decodes), None)
         if rule is None:
-            return logits.argmax(-1), None
-        inputs = DraftInputs(hidden, logits, x, context.last_context, self.drafter.embed_weight, temperature,
-                             generator)
-        drafted = rule.draft(inputs)
-        self.last_confidence = rule.last_confidence  # c of these drafts where the part has a confidence head
-        return drafted
+            return Draft(logits.argmax(-1))
+        return rule.draft(DraftInputs(hidden, logits, x, context.last_context, self.drafter.embed_weight,
+                                      temperature, generator, block_hidden))
 
     @torch.no_grad()
     def generate(
@@ -194,18 +193,18 @@ class SpeculativeDecoder:
         context = DraftContext(self.drafter)
         context.extend(features, torch.arange(input_ids.numel(), device=device))
         x = next_token(logits[-1], **sampling)
-        tokens, accepted, expected, confidences = [int(x)], [], [], []
+        tokens, accepted, expected, extras = [int(x)], [], [], {}
         t1 = _now(device)
         start = input_ids.numel()  # position of x, whose features the target has not made yet
         done = len(tokens) >= max_new_tokens or tokens[0] in stop
         while not done:
-            draft, draft_probs = self.draft(context, x, start, temperature, generator)  # [drafts], [drafts, V] or None
+            drafted = self.draft(context, x, start, temperature, generator)
             # A step emits at most as many tokens as it verifies, so only the tokens still wanted are
             # verified; the block itself is always drafted whole, as in training.
             n = min(self.drafts + 1, max_new_tokens - len(tokens))
-            block = torch.cat([x[None], draft[: n - 1]])  # [n]
+            block = torch.cat([x[None], drafted.tokens[: n - 1]])  # [n]
             logits, features = self._target(block, cache)
-            q = None if draft_probs is None else draft_probs[: n - 1]
+            q = None if drafted.q is None else drafted.q[: n - 1]  # [n - 1, V]
             a, bonus, expected_a = verify_drafts(block[1:], logits, **sampling, draft_probs=q)  # bonus: after a drafts
             _crop(cache, start + a + 1)  # drop the K/V of rejected drafts
             context.extend(features[: a + 1], torch.arange(start, start + a + 1, device=device))
@@ -213,12 +212,12 @@ class SpeculativeDecoder:
             tokens += new
             accepted.append(a)
             expected.append(expected_a)
-            if self.last_confidence is not None:
-                confidences.append(self.last_confidence.tolist())
+            for name, values in drafted.extras.items():  # of the whole block, as drafted
+                extras.setdefault(name, []).append(values.tolist())
             x, start = bonus, start + a + 1
             done = len(tokens) >= max_new_tokens or any(t in stop for t in new)
         return Generation(_truncate(tokens, max_new_tokens, stop), accepted, len(accepted), _now(device) - t1,
-                          t1 - t0, expected, confidences)
+                          t1 - t0, expected, extras)
 
     @torch.no_grad()
     def target_generate(self, input_ids: Tensor, max_new_tokens: int, eos_token_id: int | Iterable[int] | None = None,

@@ -7,11 +7,13 @@ acceptance length is logged as `val/tau_served` next to `train/tau`, so a train/
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
+from dflash_lightning.errors import ConfigError
 from dflash_lightning.fp8 import without_fp8
 from dflash_lightning.hf.modeling_dflash import check_sampling
 from dflash_lightning.target_model import DTYPES, resolve_model_dir
@@ -49,7 +51,17 @@ class SpeculativeValidation(Callback):
             top_k: Sample among the k most likely tokens only; 0: off.
             seed: Seed of the random streams when sampling, the same at every run (comparable runs).
         """
-        check_sampling(temperature, top_p, top_k)  # before any training
+        # before any training; the fields named as the command line names them
+        for ok, message in ((every_n_steps >= 0, f"every_n_steps must be >= 0 (0: off), got {every_n_steps}"),
+                            (num_prompts >= 1, f"num_prompts must be >= 1, got {num_prompts}"),
+                            (max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {max_new_tokens}"),
+                            (math.isfinite(temperature), f"temperature must be finite, got {temperature}")):
+            if not ok:
+                raise ConfigError(f"spec_eval.{message}")
+        try:
+            check_sampling(temperature, top_p, top_k)
+        except ValueError as err:
+            raise ConfigError(f"spec_eval.{err}") from None
         self.sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         self.prompts_path, self.every, self.num_prompts = prompts, every_n_steps, num_prompts
         self.max_new_tokens, self.target, self.dtype = max_new_tokens, target, dtype

@@ -1,24 +1,35 @@
-"""What a drafter part is, and how the drafter, the loss, the metrics, the decoder, export and import call it.
+"""What a drafter part is, and how the drafter, the loss, the metrics, the decoder, evaluate, export and import call it.
 
 A drafter is the DFlash backbone (docs/method.md sections 2-9) plus the parts its preset names
-(`parts/presets.py`, the only place that names a variant). A part is one module that owns its settings, its
-parameters and weight names, its training term, its metrics, its drafting rule and its export fields; the
-backbone calls it through the hooks below and never asks which part it is.
+(`parts/presets.py`, the only place that names a variant). A part is one module that owns its settings and the run
+settings it accepts, its block layout, its parameters and weight names, its training term, its metrics, its
+drafting rule, its served report and its export fields; the backbone calls it through the hooks below and never
+asks which part it is (docs/parts.md tabulates them).
 
 How a new part plugs in:
-1. `parts/<name>.py`: a settings dataclass (plain fields, a one-line docstring under each; shape fields and
-   loss weights) with `check(config)`, and a `Part` subclass naming it in `settings_type`, its `name` (the
+1. `parts/<name>.py`: a settings dataclass (plain fields, a one-line docstring under each; shape fields and loss
+   weights) with `check(config)`, and a `Part` subclass naming it in `settings_type`, its `name` (the
    `DrafterConfig` field holding the settings: `model.drafter.<name>.<field>` on the command line) and
-   `config_fields` (the `dflash_config` keys it exports, mapped to settings fields).
-2. `config.py`: one field `<name>: <Settings> = field(default_factory=<Settings>)` on `DrafterConfig`.
+   `config_fields` (the `dflash_config` keys it exports, mapped to settings fields); `layout` where it needs a
+   block layout other than section 3's (`blocks.BlockLayout`: the preset derives its layout from its parts).
+2. `config.py`: one field `<name>: <Settings> = field(default_factory=<Settings>)` on `DrafterConfig` (for
+   `--help`; everything else that lists parts is derived from the presets).
 3. `parts/presets.py`: the presets that include it (parts, `architectures` name, serve commands).
-4. Override the hooks it needs; each has a do-nothing default. Call order in one training step:
-   `head_inputs` (before the chunked head loop) -> `head_chunk` (inside it, per chunk of whole blocks, with
-   the `[rows, V]` logits that exist only there) -> `loss` (after it, with what the chunks returned) ->
+4. Override the hooks it needs; each has a do-nothing default. `check_run` refuses run settings it cannot train
+   with, when the module is built and when fitting starts. Call order in one training step:
+   `head_inputs` (before the chunked head loop) -> `logit_bias`, `logit_correction`, `head_chunk` (inside it, per
+   chunk of whole blocks, with the `[rows, V]` logits that exist only there) -> `loss_denominator` and `loss` (after
+   it, with what the chunks returned) ->
    the module logs `PartOutput.logs` every `metrics_every` steps and feeds `PartOutput.rows` to `metric()`.
-   Decoding calls `draft` (the one part of a preset with `decodes = True`; else each slot's argmax).
-   Export writes `export_fields`, import reads them with `read_fields`; warm start loads the weights the
-   part `owns` only when the source has the part too.
+   Decoding calls `draft` (the one part of a preset with `decodes = True`; else each slot's argmax), which returns
+   a `Draft` (tokens, q, extras); `evaluate` calls every part's `served_report` with the served records and the
+   `ServedSettings` (a cost model of a step, the calibration fitted for the temperature); `calibrate` calls
+   `calibrate` with served records of prompts apart from the evaluation's, and export folds what it fitted into the
+   weights (`fold_calibration`).
+   Export writes `export_fields` and `top_level_fields`, import reads them with `read_fields`; warm start loads
+   the weights the part `owns` only when the source has the part too.
+5. `tests/test_contract.py`: its small settings in `TINY`; the contract test runs it and its presets through all of
+   the above.
 """
 
 from __future__ import annotations
@@ -29,6 +40,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
+from dflash_lightning.blocks import FILL_IN, BlockLayout
 from dflash_lightning.errors import ConfigError
 
 
@@ -53,25 +65,32 @@ class TrainInputs:
     labels: Tensor
     """Target token of every slot.  # [A, B]"""
     supervised: Tensor
-    """Slots that count (a valid anchor, slot >= 1 or anchor-first a prefix from slot 0, label in the loss mask and
-    the anchor's document).  # [A, B]"""
+    """Slots that count (a valid anchor, a slot that predicts, anchor-first only a prefix, label in the loss mask
+    and the anchor's document).  # [A, B]"""
     before: Tensor
-    """Index in the batch of the token before each slot (slot 1: the anchor), where the target's state that
-    predicts the slot sits: `final_hidden[before]` is the teacher row of the slot.  # [A, B]"""
+    """Index in the batch of the token before each slot's label (`blocks.teacher_positions`; fill-in slot 1: the
+    anchor), where the target's state that predicts the label sits: `final_hidden[before]` is the slot's teacher
+    row.  # [A, B]"""
     final_hidden: Tensor | None
     """The target's final normed hidden states (None unless some part or the objective needs them).  # [T, H]"""
     embed_weight: Tensor
     """The target's input embedding, frozen.  # [V, H]"""
     head_weight: Tensor
     """The target's output head, frozen (full precision even when the loss's head runs in FP8).  # [V, H]"""
-    first_slot: int = 1
-    """The first slot that predicts a token (`blocks.first_slot`): 1, or 0 in an anchor-first block (section 12);
-    the head loop's rows are slots `first_slot..B-1` of every block."""
+    layout: BlockLayout = FILL_IN
+    """The block layout (`blocks.BlockLayout`): which position each slot predicts; the head loop's rows are slots
+    `layout.first_slot..B-1` of every block."""
+
+    @property
+    def first_slot(self) -> int:
+        """The first slot that predicts a token: 1, anchor-first 0 (`BlockLayout.first_slot`)."""
+        return self.layout.first_slot
 
 
 @dataclass
 class HeadChunk:
-    """One chunk of rows inside the chunked head loop (loss.py): rows are slots first_slot..B-1 of whole blocks."""
+    """One chunk of rows inside the chunked head loop (loss.py): rows are the trained slots (`first_slot..B-1`) of
+    whole blocks."""
 
     start: int
     """First row of the chunk; rows `start:end` of every per-row tensor of the step."""
@@ -79,27 +98,53 @@ class HeadChunk:
     """One past the chunk's last row."""
     hidden: Tensor
     """The rows' hidden states, in the head's dtype.  # [R, H]"""
-    logits: Tensor
-    """The rows' logits, fp32 (fp64 in tests); only this chunk's exist at once.  # [R, V]"""
+    logits: Tensor | None
+    """The rows' logits, fp32 (fp64 in tests); only this chunk's exist at once. None where a part corrects the
+    logits (`Part.logit_correction`): the loop has turned them into `d_correction` in place.  # [R, V]"""
     lse: Tensor
-    """logsumexp of `logits`.  # [R, 1]"""
+    """logsumexp of `logits` (with a correction: of the corrected logits f).  # [R, 1]"""
     labels: Tensor
     """Target token of each row.  # [R]"""
     weights: Tensor
     """Slot weight of each row this step (D-PACE: from this step's CE), in `logits`' dtype.  # [R]"""
     top_ids: Tensor
-    """The unary top k ids of each row, best first, k >= the part's `top_k`.  # [R, k]"""
+    """The unary top k ids of each row, best first, k >= the part's `top_k` (with a correction: of f, what is
+    served).  # [R, k]"""
     d_logits: Tensor
     """d objective / d logits of the rows before the slot weights apply; a part adds its own term's gradient
-    into it in place (the head's matmul then carries it to `hidden`).  # [R, V]"""
+    into it in place (the head's matmul then carries it to `hidden`). With a correction f = b + c: d / db, which
+    holds d / dc too (b reaches the objective through f as well).  # [R, V]"""
     head: Tensor
     """The frozen head as the loop uses it (FP8 possibly): `F.linear(h, head)` are logits.  # [V, H]"""
     head_t: Tensor
     """Its transpose as the loop uses it: `F.linear(d_logits, head_t)` maps `[R, V]` back to `[R, H]`.  # [H, V]"""
     rows: tuple[Tensor, ...]
-    """The part's own per-row inputs (`head_inputs`), sliced to the chunk."""
+    """The part's own inputs (`head_inputs`) for the chunk: per-row ones sliced to its rows, per-block ones to its
+    blocks, 0-dim ones whole."""
     grads: list[Tensor]
     """fp32 accumulators of the gradients of the part's `head_params`, to add into."""
+    ce: Tensor | None = None
+    """CE of each row's logits against its label (with a correction: of f), no gradient.  # [R]"""
+    d_correction: Tensor | None = None
+    """With the part's correction c (`logit_correction`): d objective / dc of the rows, before the slot weights
+    apply, (1 - lambda) (softmax f - onehot) times `objective_weight`; None otherwise.  # [R, V]"""
+    base_ce: Tensor | None = None
+    """With a correction: the CE of the base logits b against the label, no gradient.  # [R]"""
+    base_ids: Tensor | None = None
+    """With a correction: the argmax of the base logits b.  # [R]"""
+
+
+@dataclass
+class Correction:
+    """A part's correction of a chunk's logits (`Part.logit_correction`): the loop serves f = b + c and trains
+    `objective_weight` * ((1 - base_weight) objective(f) + base_weight objective(b)), b the base logits."""
+
+    logits: Tensor
+    """c, in the dtype of the logits it corrects (rows whose correction is 0 hold zeros); the loop may reuse its
+    buffer.  # [R, V]"""
+    base_weight: Tensor | float = 0.0
+    """lambda, the share of the base logits' objective; a 0-dim tensor where it changes during the run (a compiled
+    loop then takes each step's value without recompiling)."""
 
 
 @dataclass
@@ -107,11 +152,16 @@ class ChunkResult:
     """What a part's `head_chunk` returns; every field optional."""
 
     loss: Tensor | None = None
-    """Its weighted term over the rows, sum(w * term) times its loss weight: joins the objective's sum."""
+    """Its weighted term over the rows, sum(w * term) times its loss weight: joins the objective's sum (divided by the
+    step's denominator, `Part.loss_denominator`)."""
     logged: Tensor | None = None
-    """A 0-dim sum over the rows to report (divided by the weight sum like the loss): `HeadOutput.logged`."""
+    """A 0-dim sum over the rows to report, or a few such sums stacked `[n]` (divided by the step's denominator like
+    the loss): `HeadOutput.logged`."""
     grad_hidden: Tensor | None = None
     """d loss / d hidden of the rows from paths that skip the head's matmul (weighted).  # [R, H]"""
+    grad_inputs: tuple[Tensor | None, ...] = ()
+    """d loss / d each of the chunk's `rows` (weighted; the part's `head_inputs` in order, shorter or None where
+    there is none), for its inputs that require a gradient: the loop hands them to autograd.  # as `rows`"""
     rows: tuple[Tensor, ...] = ()
     """Per-row results the part reads later (`HeadOutput.rows`), `head_rows` of them: concatenated over chunks, no
     gradient.  # [R, ...] each"""
@@ -122,7 +172,8 @@ class HeadOutput:
     """What the head loop hands back to a part's `loss`: its chunk results joined over the step."""
 
     logged: Tensor | None
-    """The sum of `ChunkResult.logged` over chunks, divided by the (rank-mean) weight sum."""
+    """The sum of `ChunkResult.logged` over chunks, divided by the step's denominator (the rank-mean weight sum, or
+    a part's `loss_denominator`)."""
     rows: tuple[Tensor, ...]
     """`ChunkResult.rows` of every row, in order.  # [A * (B - first_slot), ...] each"""
 
@@ -134,7 +185,7 @@ class PartOutput:
     loss: Tensor | None = None
     """A term added to the (normalised) loss after the head loop; None: none (or it joined in `head_chunk`)."""
     logs: dict[str, Tensor] = field(default_factory=dict)
-    """0-dim values logged as `train/<name>` every `metrics_every` steps (names carry the part's prefix)."""
+    """0-dim values logged as `train/<name>` every `metrics_every` steps (names carry the part's `prefix()`)."""
     rows: Any = None
     """What `metric().update` takes besides the slots' labels and supervision, e.g. per-slot hits `[A, B, ...]`."""
 
@@ -144,7 +195,8 @@ class DraftInputs:
     """What a part's drafting rule sees of one block being drafted (serving, evaluate, spec_eval)."""
 
     hidden: Tensor
-    """The backbone's output after `norm` for the drafting slots, 1..B-1 (anchor-first 0..B-1).  # [n, H]"""
+    """The backbone's output after `norm` for the drafting slots (`BlockLayout.draft_slots`: 1..B-1, DSpark's
+    0..B-1, Domino's 0..B-2).  # [n, H]"""
     logits: Tensor
     """Their unary logits through the target's head.  # [n, V]"""
     first_prev: Tensor
@@ -157,6 +209,93 @@ class DraftInputs:
     """0: greedy; above: sample from the part's q."""
     generator: torch.Generator | None
     """The random stream of sampling."""
+    block_hidden: Tensor | None = None
+    """The backbone's output after `norm` of every slot of the block, drafting or not (a refiner that reads the
+    whole block, as XPress's mean over slots 0..B-1).  # [B, H]"""
+
+
+@dataclass
+class Draft:
+    """What drafting one block returns (`Part.draft`, `SpeculativeDecoder.draft`): what was drafted, never state a
+    caller reads off the drafter afterwards."""
+
+    tokens: Tensor
+    """The drafts, in slot order.  # [n]"""
+    q: Tensor | None = None
+    """The draft distribution each draft was sampled from, which verification uses (docs/method.md 6b, 10); None:
+    point masses (greedy, or a rule that samples none).  # [n, V]"""
+    extras: dict[str, Tensor] = field(default_factory=dict)
+    """A part's own values of each draft (DSpark: `{"confidence": c_k}`): `Generation.extras` records them per
+    step, and the part's `served_report` reads them.  # [n] each"""
+
+
+@dataclass(frozen=True)
+class VerifyCost:
+    """The cost of one decode step that an engine's adaptive verification weighs (docs/dspark.md): drafting a block,
+    then one target forward over the last token and the n drafts admitted, `draft + 1 + per_token * n`, in target
+    forwards of one token. vLLM profiles these costs when it starts, SGLang reads them from its
+    `--speculative-dspark-sps-table-path`; `evaluate` simulates their rule under this model."""
+
+    draft: float = 0.1
+    """The drafter's forward for one block, in target forwards of one token."""
+    per_token: float = 0.05
+    """What each draft verified adds to the target's forward, in target forwards of one token (about 0 for one
+    request on a GPU, larger as the batch fills it)."""
+
+    def __post_init__(self) -> None:
+        for name in ("draft", "per_token"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and 0 <= value < float("inf")):
+                raise ConfigError(f"verify_cost.{name} must be a finite number >= 0, got {value!r}")
+
+    def step(self, drafts: int) -> float:
+        """The cost of a step that verifies `drafts` drafts."""
+        return self.draft + 1.0 + self.per_token * drafts
+
+
+@dataclass(frozen=True)
+class ServedSettings:
+    """What `evaluate` hands a part's `served_report` besides the served records."""
+
+    cost: VerifyCost = field(default_factory=VerifyCost)
+    """The step's cost model of adaptive verification."""
+    calibration: dict[str, Any] | None = None
+    """What `calibrate` fitted for this serving temperature, by part name (`Calibration.fit`); None: none given."""
+
+
+@dataclass
+class Calibration:
+    """What a part's `calibrate` fitted on the served blocks of one serving temperature."""
+
+    fit: dict[str, Any]
+    """JSON values that `fold_calibration` folds into the weights (export) and `served_report` applies (evaluate)."""
+    report: dict[str, Any]
+    """Measures on the calibration blocks before and after, for calibration.json."""
+    files: dict[str, str] = field(default_factory=dict)
+    """Files to write beside calibration.json, name -> text (DSpark: SGLang's per-slot temperatures, sts.json); the
+    command puts the temperature in each name (sts-T1.json)."""
+    lines: list[str] = field(default_factory=list)
+    """What the command prints of it, one line each."""
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """What a part's `check_run` sees of the run that trains it."""
+
+    objective: str
+    """`model.objective`: ce, kl or ce+kl (docs/method.md 4c)."""
+    loss_weights: str
+    """`model.loss_weights`: decay or dpace (section 4b)."""
+    gamma: float
+    """The slot weights' decay gamma as the run uses it (`model.drafter.gamma`, else the block layout's default)."""
+    gamma_set: bool
+    """Whether `model.drafter.gamma` was set (false: the layout's default)."""
+    final_hidden: bool
+    """Whether every batch carries the target's final hidden states (the objective distills, or a part
+    `needs_final_hidden`): what the target must provide beside the context features."""
+    total_steps: float | None = None
+    """The run's optimizer steps: None while the module is built (no Trainer yet); when fitting starts, the
+    Trainer's total (`math.inf` where the run has no end)."""
 
 
 class Part(nn.Module):
@@ -167,6 +306,11 @@ class Part(nn.Module):
     """The `DrafterConfig` field holding this part's settings (`model.drafter.<name>.*`)."""
     settings_type: ClassVar[type]
     """The part's settings dataclass."""
+    legacy_fields: ClassVar[dict[str, str]] = {}
+    """Flat DrafterConfig fields of checkpoints written before parts had their own settings -> the settings field
+    now (`config.upgrade_fields`)."""
+    legacy_record: ClassVar[dict[str, str]] = {}
+    """Other run-record keys of older checkpoints -> the settings field now (`config.upgrade_record`)."""
     config_fields: ClassVar[dict[str, str]] = {}
     """dflash_config key -> settings field, in the order export writes them; the other settings fields are
     training choices (loss weights) a folder does not carry."""
@@ -176,6 +320,9 @@ class Part(nn.Module):
     changes_backbone: ClassVar[bool] = False
     """Whether the part changes the backbone's hidden states (block convolutions): a drafter trained with it is
     never warm-started without it."""
+    layout: ClassVar[BlockLayout | None] = None
+    """The block layout the part needs (DSpark: anchor-first); None: any, the preset's is section 3's unless
+    another of its parts names one (`Preset.layout`; two parts naming different layouts cannot share a preset)."""
     fp8_exempt: ClassVar[bool] = False
     """Whether the part's linears stay out of FP8 training (`model.fp8=all`): those whose weights the loss reads by
     hand (`head_params`)."""
@@ -183,18 +330,31 @@ class Part(nn.Module):
     """Whether training reads the target's final hidden states (`TrainInputs.final_hidden`)."""
     decodes: ClassVar[bool] = False
     """Whether the part replaces each slot's argmax by its own drafting rule (`draft`); one such part a preset."""
+    samples: ClassVar[bool] = True
+    """Whether its drafting rule samples above temperature 0 (a `Draft.q`); False: point masses at every temperature
+    (Domino: no engine samples its drafts), verified as docs/method.md 6b says."""
     head_rows: ClassVar[int] = 0
     """How many per-row tensors `head_chunk` returns in `ChunkResult.rows`."""
+    metric_prefix: ClassVar[str | None] = None
+    """The prefix of every name the part logs (`<prefix>/...`: its `PartOutput.logs` and its metric's); None: its
+    `name`."""
     top_k: int = 0
     """Unary candidates per row the part reads from the head loop (`HeadChunk.top_ids`); 0: none."""
-    last_confidence: Tensor | None = None
-    """A confidence head's c_k of each draft of the block `draft` last drafted (DSpark, docs/method.md 12): what an
-    engine's adaptive verification ranks by; None: the part has none."""
+    folder_dtype: ClassVar[str | None] = None
+    """The weights' dtype every engine that serves the part requires (Domino: bfloat16, SGLang's): `export` writes it
+    when no dtype is given and refuses another in one line; None: any."""
 
     def __init__(self, config: Any) -> None:
         """`config` is the resolved DrafterConfig; the part's settings are `getattr(config, self.name)`."""
         super().__init__()
         self.settings = getattr(config, self.name)
+
+    # --- the run's settings
+    @classmethod
+    def check_run(cls, settings: Any, run: RunSettings) -> None:
+        """Refuse, in one ConfigError line naming the field, run settings the part cannot train with (its own are
+        checked by `settings.check`). Called when the module is built (`run.total_steps` None) and again when
+        fitting starts, with the Trainer's total. Nothing by default."""
 
     # --- parameters and weight names
     @classmethod
@@ -220,6 +380,12 @@ class Part(nn.Module):
         return cls.weight_prefix is not None and key.startswith(cls.weight_prefix + ".")
 
     # --- training
+    def set_step(self, step: int, total_steps: float | None) -> None:
+        """Before each training step's forward: the optimizer steps done (0 at the first) and the run's total
+        (`RunSettings.total_steps`; None outside a fit). A part whose training changes over the run (Domino's lambda)
+        updates its own 0-dim device tensors here in place, never Python values a compiled graph would bake in.
+        Nothing by default."""
+
     def compile_hooks(self, mode: str | None = None) -> None:
         """Compile the part's own training work in place at fixed shapes (`model.compile`; the head loop, and the
         modules it adds to the layers, are compiled with the backbone's); nothing by default."""
@@ -229,8 +395,11 @@ class Part(nn.Module):
         return ()
 
     def head_inputs(self, batch: TrainInputs) -> tuple[Tensor, ...] | None:
-        """Per-row inputs of `head_chunk` (rows: slots first_slot..B-1 of each block, flattened), or None: the part
-        has no `head_chunk`."""
+        """Inputs of `head_chunk`, or None: the part has no `head_chunk`. Each is per row (first dim N: slots
+        first_slot..B-1 of each block, flattened), per block (first dim A) or 0-dim; the loop hands each chunk its
+        rows, its blocks, and the 0-dim ones whole (`HeadChunk.rows`). One that requires a gradient (made by
+        autograd before the loop: Domino's GRU states) gets the gradients `head_chunk` returns in
+        `ChunkResult.grad_inputs`."""
         return None
 
     def logit_bias(self, rows: tuple[Tensor, ...], like: Tensor) -> Tensor | None:
@@ -239,10 +408,25 @@ class Part(nn.Module):
         sliced to the chunk), in `like`'s dtype; None: none.  # [R, V]"""
         return None
 
+    def logit_correction(self, rows: tuple[Tensor, ...], hidden: Tensor, like: Tensor) -> Correction | None:
+        """A correction c of the rows' logits `like [R, V]` (the base logits b, `logit_bias` included) from the part's
+        `rows` and the rows' `hidden [R, H]`: the loop serves f = b + c (its top-k and CE are f's) and trains
+        (1 - lambda) objective(f) + lambda objective(b) (Domino, docs/method.md 13); `head_chunk` then gets
+        `HeadChunk.d_correction` and takes it to the part's weights and inputs. A part that corrects the logits works
+        alone in the loop. None: no correction."""
+        return None
+
     def objective_weight(self) -> float:
         """The scale of the head loop's own objective (section 4's CE or 4c's KL) beside the part's terms (DSpark:
-        0.1 on the CE); 1 by default."""
+        0.1 on the CE); 1 by default. 0: the loop computes neither that objective nor its gradient (`d_logits` starts
+        at zero for the part's terms)."""
         return 1.0
+
+    def loss_denominator(self, batch: TrainInputs) -> Tensor | None:
+        """What the step's summed loss (the head loop's objective and every part's `head_chunk` terms, and their
+        `logged` sums) is divided by, before its mean over data-parallel ranks; None: the slot weights' sum
+        (section 4). At most one part of a preset sets it."""
+        return None
 
     def head_chunk(self, chunk: HeadChunk) -> ChunkResult:
         """The part's work on one chunk of rows while their full logits exist (see `HeadChunk`)."""
@@ -255,25 +439,70 @@ class Part(nn.Module):
     @classmethod
     def metric(cls, block_size: int) -> Any:
         """A torchmetrics Metric whose `update(rows, labels, supervised)` takes `PartOutput.rows`, and whose
-        `compute()` returns `{name: 0-dim tensor}` (names carry the part's prefix); None: no metrics."""
+        `compute()` returns `{name: 0-dim tensor}` (names carry the part's `prefix()`); None: no metrics."""
         return None
 
+    @classmethod
+    def prefix(cls) -> str:
+        """The prefix of the names the part logs: `metric_prefix`, else its `name`."""
+        return cls.metric_prefix or cls.name
+
     # --- decoding
-    def draft(self, inputs: DraftInputs) -> tuple[Tensor, Tensor | None]:
-        """Draft tokens of the drafting slots `[n]` and, when sampled, their draft distributions q `[n, V]` (None:
-        point masses), verified with q (docs/method.md 6b and 10). Only for parts with `decodes = True`."""
+    def draft(self, inputs: DraftInputs) -> Draft:
+        """The drafts of the drafting slots, their draft distributions q when sampled (verified with q,
+        docs/method.md 6b and 10) and the part's extras. Only for parts with `decodes = True`."""
         raise NotImplementedError
+
+    # --- the served report and calibration
+    @classmethod
+    def served_report(cls, records: list[dict[str, Any]], settings: ServedSettings | None = None) -> dict[str, Any]:
+        """Keys the part adds to `evaluate`'s report of one temperature, from its served records (per prompt:
+        `accepted_lengths`, the accepted drafts of each step; `verified_lengths`, the drafts each step verified;
+        `extras`, `{name: one list per step}` of the part's `Draft.extras`; `step_tokens`, ...) and the
+        `settings` (None: the defaults); nothing by default."""
+        return {}
+
+    @classmethod
+    def calibrate(cls, records: list[dict[str, Any]], state: dict[str, Tensor]) -> Calibration | None:
+        """What the part fits on served records of one temperature (prompts apart from the evaluation's) for the
+        drafter's weights `state`; None: the part has nothing to calibrate (the default)."""
+        return None
+
+    @classmethod
+    def fold_calibration(cls, state: dict[str, Tensor], fit: dict[str, Any], source: str) -> dict[str, Tensor]:
+        """The weights with the part's `Calibration.fit` folded in (export), refusing in one ConfigError line naming
+        `source` a fit made for other weights; only for parts whose `calibrate` fits something."""
+        raise ConfigError(f"{source}: {cls.__name__} has no calibration to fold")
 
     # --- export and import
     @classmethod
-    def export_fields(cls, settings: Any) -> dict[str, Any]:
-        """The `dflash_config` fields of a folder with this part."""
+    def export_fields(cls, settings: Any, config: Any = None) -> dict[str, Any]:
+        """The `dflash_config` fields of a folder with this part (`config`: the drafter's resolved DrafterConfig,
+        for fields such as the block size that are not the part's settings)."""
         return {key: getattr(settings, name) for key, name in cls.config_fields.items()}
 
     @classmethod
-    def top_level_fields(cls, settings: Any) -> dict[str, Any]:
-        """config.json fields outside `dflash_config` (DSpark's engines read some there); none by default."""
+    def top_level_fields(cls, settings: Any, config: Any = None) -> dict[str, Any]:
+        """config.json fields outside `dflash_config` (DSpark's engines read theirs there, its block layout's
+        `sample_from_anchor` too), from the part's settings and the drafter's `config`; none by default."""
         return {}
+
+    @classmethod
+    def speculative_config(cls, settings: Any) -> dict[str, Any]:
+        """Keys the part adds to vLLM's `--speculative-config` in the serve command `export` prints; none by
+        default."""
+        return {}
+
+    @classmethod
+    def sglang_args(cls, settings: Any) -> list[str]:
+        """Flags the part adds to SGLang's launch command in the serve command `export` prints; none by default."""
+        return []
+
+    @classmethod
+    def serve_notes(cls, settings: Any) -> list[str]:
+        """Lines `export` prints after the serve commands: what an engine does with the part's folder that a user
+        must know (Domino: that vLLM has no runtime for it); none by default."""
+        return []
 
     @classmethod
     def present_fields(cls, dflash: dict[str, Any]) -> list[str]:
@@ -298,4 +527,10 @@ class Part(nn.Module):
         return cls.settings_type(**values)
 
 
-__all__ = ["ChunkResult", "DraftInputs", "HeadChunk", "HeadOutput", "Part", "PartOutput", "TrainInputs"]
+def calibrates(part: type[Part]) -> bool:
+    """Whether a part fits a calibration (overrides `Part.calibrate`)."""
+    return part.calibrate.__func__ is not Part.calibrate.__func__
+
+
+__all__ = ["Calibration", "ChunkResult", "Correction", "Draft", "DraftInputs", "HeadChunk", "HeadOutput", "Part",
+           "PartOutput", "RunSettings", "ServedSettings", "TrainInputs", "VerifyCost", "calibrates"]

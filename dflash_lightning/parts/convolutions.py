@@ -36,10 +36,10 @@ class ConvSettings:
             raise ConfigError(
                 f"conv.kernel_size must be in 1..block_size ({config.block_size}), got {self.kernel_size}"
             )
-        if self.group_size < 1 or (config.hidden_size is not None and config.hidden_size % self.group_size):
-            raise ConfigError(
-                f"conv.group_size ({self.group_size}) must be >= 1 and divide hidden_size ({config.hidden_size})"
-            )
+        if self.group_size < 1:
+            raise ConfigError(f"conv.group_size must be >= 1 and divide hidden_size, got {self.group_size}")
+        if config.hidden_size is not None and config.hidden_size % self.group_size:
+            raise ConfigError(f"conv.group_size ({self.group_size}) must divide hidden_size ({config.hidden_size})")
 
 
 class BlockConv(nn.Module):
@@ -89,6 +89,7 @@ class BlockConvolutions(Part):
 
     name = "conv"
     settings_type = ConvSettings
+    legacy_fields: ClassVar[dict[str, str]] = {"conv_kernel_size": "kernel_size", "conv_group_size": "group_size"}
     config_fields: ClassVar[dict[str, str]] = {"conv_kernel_size": "kernel_size", "conv_group_size": "group_size"}
     changes_backbone = True
 

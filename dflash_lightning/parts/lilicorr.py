@@ -16,7 +16,16 @@ from torch import Tensor, nn
 from torchmetrics import Metric
 
 from dflash_lightning.errors import ConfigError
-from dflash_lightning.parts.base import ChunkResult, DraftInputs, HeadChunk, HeadOutput, Part, PartOutput, TrainInputs
+from dflash_lightning.parts.base import (
+    ChunkResult,
+    Draft,
+    DraftInputs,
+    HeadChunk,
+    HeadOutput,
+    Part,
+    PartOutput,
+    TrainInputs,
+)
 from dflash_lightning.topk import unary_top_k
 
 PREFIX = "lilicorr."  # every weight of the part sits under it in the drafter and in the folder
@@ -74,6 +83,9 @@ class LiLiCorrSettings:
         for name in ("mlp_ratio", "logit_scale"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"lilicorr.{name} must be > 0, got {getattr(self, name)}")
+        if width and int(width * self.mlp_ratio) < 1:  # the MLP's width is int(Hh * mlp_ratio)
+            raise ConfigError(f"lilicorr.mlp_ratio must be >= 1/Hh = {1 / width:.4g} (Hh {width}: a lattice MLP of at "
+                              f"least one unit), got {self.mlp_ratio}")
         if not 0 < self.vector_eps < 0.5:
             raise ConfigError(f"lilicorr.vector_eps must be in (0, 0.5), got {self.vector_eps}")
         for name in ("ce_weight", "margin_weight", "penalty_weight"):
@@ -397,7 +409,7 @@ class LiLiCorrReranker(Part):
 
     # --- decoding
     @torch.no_grad()
-    def draft(self, inputs: DraftInputs) -> tuple[Tensor, Tensor | None]:
+    def draft(self, inputs: DraftInputs) -> Draft:
         """The walk over one block's lattice (no unary prior): greedy, or sampled with q = softmax(row / T) over the
         K candidates, scattered into `[B-1, V]`."""
         logits = inputs.logits
@@ -408,14 +420,14 @@ class LiLiCorrReranker(Part):
             inputs.context_last.reshape(1, -1)
         start, pair = self.scores(inputs.embed_weight[ids][None], log_probs[None], inputs.hidden[None], anchor, valid)
         if inputs.temperature == 0:
-            return ids.gather(1, greedy_walk(start, pair)[0, :, None])[:, 0], None
+            return Draft(ids.gather(1, greedy_walk(start, pair)[0, :, None])[:, 0])
         picks, q = sampled_walk(start, pair, inputs.temperature, generator=inputs.generator)
         dist = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device).scatter_(1, ids, q[0].float())
-        return ids.gather(1, picks[0, :, None])[:, 0], dist
+        return Draft(ids.gather(1, picks[0, :, None])[:, 0], dist)
 
     # --- export and import
     @classmethod
-    def export_fields(cls, settings: LiLiCorrSettings) -> dict[str, Any]:
+    def export_fields(cls, settings: LiLiCorrSettings, config: Any = None) -> dict[str, Any]:
         """`lilicorr_enabled: true` and the eight geometry fields (floats as floats: the engines cast, ModelOpt and
         the engines' configs write them so)."""
         out: dict[str, Any] = {"lilicorr_enabled": True}

@@ -1,7 +1,8 @@
 """The drafter variants: each a named preset of parts on the DFlash backbone. The only place a variant is named.
 
 `model.drafter.variant` picks a row; the code elsewhere asks the preset for its parts, its `architectures` name
-(what vLLM and SGLang dispatch their loader on), its block layout and its serve commands, never for its name.
+(what vLLM and SGLang dispatch their loader on), its block layout (derived from its parts) and its serve commands,
+never for its name.
 """
 
 from __future__ import annotations
@@ -9,9 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from dflash_lightning.blocks import FILL_IN, BlockLayout
 from dflash_lightning.errors import ConfigError
 from dflash_lightning.parts.base import Part
 from dflash_lightning.parts.convolutions import BlockConvolutions
+from dflash_lightning.parts.domino import DominoCorrection
 from dflash_lightning.parts.dspark import DSparkHeads
 from dflash_lightning.parts.lilicorr import LiLiCorrReranker
 from dflash_lightning.parts.selector import CandidateSelector
@@ -25,15 +28,25 @@ class Preset:
     """Its parts, in the order they are built, trained, logged and exported."""
     architecture: str
     """config.json's `architectures` entry of its folder."""
-    sample_from_anchor: bool = False
-    """Block layout (`blocks.first_slot`): false, slot k predicts position p + k (docs/method.md 3); true, every slot
-    k = 0..B-1 predicts p + k + 1 (section 12's anchor-first block: B drafts a block)."""
-    vllm_method: str = "dflash"
-    """`--speculative-config` method that serves it in vLLM."""
-    sglang_algorithm: str = "DFLASH"
-    """`--speculative-algorithm` that serves it in SGLang."""
+    vllm_method: str | None = "dflash"
+    """`--speculative-config` method that serves it in vLLM; None: vLLM has no runtime for it (`export` prints no
+    vLLM command, and says so)."""
+    sglang_algorithm: str | None = "DFLASH"
+    """`--speculative-algorithm` that serves it in SGLang; None: SGLang has no runtime for it."""
     summary: str = ""
     """What it adds, for `--help` and errors."""
+
+    def __post_init__(self) -> None:
+        self.layout  # noqa: B018 (parts that disagree on the layout are refused where the preset is made)
+
+    @property
+    def layout(self) -> BlockLayout:
+        """The block layout its parts name (`Part.layout`), section 3's where none does."""
+        named = {part.layout for part in self.parts if part.layout is not None}
+        if len(named) > 1:
+            names = ", ".join(f"{p.__name__} {p.layout}" for p in self.parts if p.layout is not None)
+            raise ValueError(f"the parts of a preset name different block layouts: {names}")
+        return named.pop() if named else FILL_IN
 
 
 PRESETS: dict[str, Preset] = {
@@ -44,9 +57,11 @@ PRESETS: dict[str, Preset] = {
                        summary="+ a candidate-lattice reranker that walks each slot's top K (section 11)"),
     "lilicorr-conv": Preset((BlockConvolutions, LiLiCorrReranker), "LiLiCorrDraftModel",
                             summary="+ the lattice reranker and the block convolutions (section 11)"),
-    "dspark": Preset((DSparkHeads,), "Qwen3DSparkModel", sample_from_anchor=True, vllm_method="dspark",
+    "dspark": Preset((DSparkHeads,), "Qwen3DSparkModel", vllm_method="dspark",
                      sglang_algorithm="DSPARK",
                      summary="anchor-first blocks + Markov and confidence heads (section 12)"),
+    "domino": Preset((DominoCorrection,), "DFlashDraftModel", vllm_method=None,
+                     summary="anchor-first blocks + a GRU prefix correction of the logits (section 13)"),
 }
 """Variant name -> preset. A new variant is a new row; a new kind of part is a new module in parts/."""
 DEFAULT_VARIANT = "dflash"

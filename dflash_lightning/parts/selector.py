@@ -17,7 +17,16 @@ from torch import Tensor, nn
 from torchmetrics import Metric
 
 from dflash_lightning.errors import ConfigError
-from dflash_lightning.parts.base import ChunkResult, DraftInputs, HeadChunk, HeadOutput, Part, PartOutput, TrainInputs
+from dflash_lightning.parts.base import (
+    ChunkResult,
+    Draft,
+    DraftInputs,
+    HeadChunk,
+    HeadOutput,
+    Part,
+    PartOutput,
+    TrainInputs,
+)
 from dflash_lightning.topk import unary_top_k
 
 
@@ -37,7 +46,8 @@ class SelectorSettings:
         if self.rank < 1:
             raise ConfigError(f"selector.rank must be >= 1, got {self.rank}")
         if not 2 <= self.top_k <= (config.vocab_size or self.top_k):
-            raise ConfigError(f"selector.top_k must be in 2..vocab_size ({config.vocab_size}), got {self.top_k}")
+            vocab = f" ({config.vocab_size})" if config.vocab_size else ""
+            raise ConfigError(f"selector.top_k must be in 2..vocab_size{vocab}, got {self.top_k}")
         if not self.loss_weight >= 0:
             raise ConfigError(f"selector.loss_weight must be >= 0, got {self.loss_weight}")
 
@@ -47,6 +57,8 @@ class CandidateSelector(Part):
 
     name = "selector"
     settings_type = SelectorSettings
+    legacy_fields: ClassVar[dict[str, str]] = {"selector_rank": "rank", "selector_top_k": "top_k"}
+    legacy_record: ClassVar[dict[str, str]] = {"model.selector_alpha": "loss_weight"}  # once a module argument
     config_fields: ClassVar[dict[str, str]] = {"selector_rank": "rank", "selector_top_k": "top_k"}
     weight_prefix = "candidate_selector"
     decodes = True
@@ -138,10 +150,11 @@ class CandidateSelector(Part):
         ids = unary_top_k(logits, self.top_k)
         return ids, logits.gather(1, ids).to(torch.promote_types(logits.dtype, torch.float32))
 
-    def draft(self, inputs: DraftInputs) -> tuple[Tensor, Tensor | None]:
+    def draft(self, inputs: DraftInputs) -> Draft:
         if inputs.temperature == 0:
-            return self.greedy(inputs.hidden, inputs.logits, inputs.first_prev), None
-        return self.sample(inputs.hidden, inputs.logits, inputs.first_prev, inputs.temperature, inputs.generator)
+            return Draft(self.greedy(inputs.hidden, inputs.logits, inputs.first_prev))
+        return Draft(*self.sample(inputs.hidden, inputs.logits, inputs.first_prev, inputs.temperature,
+                                  inputs.generator))
 
     @torch.no_grad()
     def greedy(self, hidden: Tensor, logits: Tensor, first_prev: Tensor) -> Tensor:

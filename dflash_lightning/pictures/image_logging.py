@@ -9,7 +9,6 @@ from typing import Any
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import Logger, MLFlowLogger, TensorBoardLogger
 
-from dflash_lightning.blocks import first_slot
 from dflash_lightning.decoding.validation import SpeculativeValidation
 from dflash_lightning.pictures.figures import figure_to_array, histogram_figure, slot_curve_figure
 
@@ -49,10 +48,10 @@ class ImageLogging(Callback):
             return
         metrics = trainer.callback_metrics
         cfg = pl_module.drafter_config
-        first = first_slot(cfg.preset.sample_from_anchor)  # the block's drafts, plotted as drafts 1..n
+        trained = range(cfg.layout.first_slot, cfg.block_size)  # the slots that predict, plotted as 1..n
         curves = {}
         for name in ("acc", "top5", "top10"):
-            keys = [f"val/{name}/slot_{k:02d}" for k in range(first, cfg.block_size)]
+            keys = [f"val/{name}/slot_{k:02d}" for k in trained]
             if all(k in metrics for k in keys):
                 curves["top-1" if name == "acc" else name.replace("top", "top-")] = [float(metrics[k]) for k in keys]
         if curves:

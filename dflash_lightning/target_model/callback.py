@@ -5,6 +5,9 @@ The target never enters the LightningModule or its checkpoint.
 
 from __future__ import annotations
 
+import inspect
+import math
+import urllib.parse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -89,35 +92,11 @@ class TargetFeatures(Callback):
                 the first rank starts it, every rank waits for it, and it is stopped when `fit` ends. Unset: the
                 engines are started by the user.
             engine_streams: Rows each rank keeps in flight at each of its engines (each row's documents go at once).
-            engine_request_timeout_s: Seconds one request may take before it is retried.
-            engine_deadline_s: Seconds of failed tries (a dead, hung or malformed engine) before `fit` stops.
-            engine_startup_s: Seconds to wait for the engines to answer at the start.
+            engine_request_timeout_s: Seconds one request may take before it is retried (> 0).
+            engine_deadline_s: Seconds of failed tries (a dead, hung or malformed engine) before `fit` stops (> 0).
+            engine_startup_s: Seconds to wait for the engines to answer at the start (> 0).
         """
-        if placement == "separate" and not target_devices:
-            raise ValueError("target.target_devices: name the devices of the target for placement 'separate'")
-        if placement == "engine" and not engine_urls:
-            raise ConfigError("target.engine_urls: name the engines' URLs (http://host:port/v1) for placement 'engine'")
-        if placement != "engine" and (engine_urls or engine_command):
-            raise ConfigError(f"target.engine_urls/engine_command: used by placement 'engine' only, placement is "
-                              f"{placement!r}; add --target.placement=engine")
-        if placement == "engine" and (fp8 or compile):
-            raise ConfigError("target.fp8/target.compile: the engine runs the target, set its precision in "
-                              "`vllm serve` (--dtype, --quantization)")
-        if engine_streams < 1:
-            raise ConfigError(f"target.engine_streams must be >= 1, got {engine_streams}")
-        if prefetch < 1:
-            raise ValueError(f"target.prefetch must be >= 1, got {prefetch}")
-        if fp8 and dtype != "bfloat16":
-            raise ConfigError(f"target.fp8: needs target.dtype bfloat16 (FP8 matmuls return bf16), not {dtype}")
-        if fp8 and placement == "sharded":
-            raise ConfigError("target.fp8: not with placement 'sharded' (FP8 weights are not sharded); use colocated, "
-                              "or add --target.fp8=false")
-        if compile and placement == "sharded":
-            raise ConfigError("target.compile: not with placement 'sharded' (its layers gather their weights "
-                              "through FSDP hooks); use colocated or separate, or drop target.compile")
-        if feature_cache and fp8:  # the cache's features came from the target it was written with
-            raise ConfigError(f"target.fp8: data.feature_cache {feature_cache} serves stored features, no target "
-                              "runs; add --target.fp8=false (FP8 target features are not cached)")
+        check_target_settings(**locals())  # every argument, before anything is built
         self.path, self.dtype, self.placement, self.attn_implementation = path, dtype, placement, attn_implementation
         self.target_devices, self.prefetch, self.fp8 = list(target_devices or []), prefetch, fp8
         self.compile = compile
@@ -234,6 +213,72 @@ class TargetFeatures(Callback):
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
         self.add_features(batch)
+
+
+READ_BY = {"target_devices": ("separate",), "prefetch": ("separate", "engine")} | {
+    name: ("engine",) for name in ("engine_urls", "engine_command", "engine_streams", "engine_request_timeout_s",
+                                   "engine_deadline_s", "engine_startup_s")}
+"""The arguments only some placements read -> those placements."""
+
+
+def check_target_settings(**arguments: Any) -> None:
+    """Refuse a `TargetFeatures` argument (given by name, the others at their defaults) outside its range, or set where
+    its placement does not read it, in one line naming the field; the CLI calls it on its `target` section before
+    the model reads the target."""
+    signature = inspect.signature(TargetFeatures.__init__)
+    bound = signature.bind_partial(**arguments)
+    bound.apply_defaults()
+    a = bound.arguments
+    placement, default = a["placement"], {name: p.default for name, p in signature.parameters.items()}
+    for name in ("prefetch", "engine_streams"):
+        if a[name] < 1:
+            raise ConfigError(f"target.{name} must be >= 1, got {a[name]}")
+    for name in ("engine_request_timeout_s", "engine_deadline_s", "engine_startup_s"):
+        if not 0 < a[name] < math.inf:
+            raise ConfigError(f"target.{name} must be a finite number of seconds > 0, got {a[name]}")
+    for url in a["engine_urls"] or []:
+        check_url(url)
+    if placement == "separate" and not a["target_devices"]:
+        raise ConfigError("target.target_devices: name the devices of the target for placement 'separate'")
+    if placement == "engine" and not a["engine_urls"]:
+        raise ConfigError("target.engine_urls: name the engines' URLs (http://host:port/v1) for placement 'engine'")
+    unused = [name for name, by in READ_BY.items() if placement not in by and a[name] != default[name]
+              and (a[name] or default[name] is not None)]  # an empty list is no list
+    if unused:
+        by = READ_BY[unused[0]]
+        unused = [name for name in unused if READ_BY[name] == by]
+        raise ConfigError(f"target.{', target.'.join(unused)}: used by placement {' or '.join(map(repr, by))} only, "
+                          f"placement is {placement!r}, so ignored; add --target.placement={by[-1]}, or drop "
+                          f"{'it' if len(unused) == 1 else 'them'}")
+    if placement == "engine" and (a["fp8"] or a["compile"]):
+        raise ConfigError("target.fp8/target.compile: the engine runs the target, set its precision in "
+                          "`vllm serve` (--dtype, --quantization)")
+    if a["fp8"] and a["dtype"] != "bfloat16":
+        raise ConfigError(f"target.fp8: needs target.dtype bfloat16 (FP8 matmuls return bf16), not {a['dtype']}")
+    if a["fp8"] and placement == "sharded":
+        raise ConfigError("target.fp8: not with placement 'sharded' (FP8 weights are not sharded); use colocated, "
+                          "or add --target.fp8=false")
+    if a["compile"] and placement == "sharded":
+        raise ConfigError("target.compile: not with placement 'sharded' (its layers gather their weights "
+                          "through FSDP hooks); use colocated or separate, or drop target.compile")
+    if a["feature_cache"] and a["fp8"]:  # the cache's features came from the target it was written with
+        raise ConfigError(f"target.fp8: data.feature_cache {a['feature_cache']} serves stored features, no target "
+                          "runs; add --target.fp8=false (FP8 target features are not cached)")
+    if a["feature_cache"] and placement != "colocated":
+        raise ConfigError(f"target.placement={placement}: data.feature_cache {a['feature_cache']} serves stored "
+                          "features, no target runs; drop --target.placement (or the feature cache)")
+
+
+def check_url(url: str) -> None:
+    """Refuse an engine URL that is not an http(s) base URL with a host (`127.0.0.1:8000/v1` lacks the scheme)."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        ok = parts.scheme in ("http", "https") and bool(parts.hostname) and (parts.port is None or parts.port > 0)
+    except ValueError:  # a port that is not a number
+        ok = False
+    if not ok:
+        raise ConfigError(f"target.engine_urls: {url!r} is not an http(s) URL with a host; give each engine's OpenAI "
+                          "base URL, http://host:port/v1")
 
 
 def warm_up(extractor: FeatureExtractor, token_budget: int | None) -> None:

@@ -22,6 +22,7 @@ import signal
 import subprocess
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -88,15 +89,35 @@ def final_norm(path: str, dtype: torch.dtype) -> nn.Module:
     return norm.requires_grad_(False).eval()
 
 
-def _get_json(url: str, timeout: float) -> Any:
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return json.loads(r.read())
+class _Answer(Exception):
+    """An HTTP answer that is not what vLLM's OpenAI server answers: an error status, or a body that is not JSON."""
+
+    def __init__(self, request: str, status: int, body: bytes) -> None:
+        self.request, self.status, self.body = request, status, body
+        super().__init__(f"{request} answered HTTP {status}, first bytes {body[:120]!r}")
 
 
-def _post_json(url: str, body: dict[str, Any], timeout: float) -> Any:
-    request = urllib.request.Request(url, json.dumps(body).encode(), {"content-type": "application/json"})
-    with urllib.request.urlopen(request, timeout=timeout) as r:
-        return json.loads(r.read())
+def _request(url: str, body: dict[str, Any] | None) -> str:
+    """A request as an error names it: `GET /v1/models`."""
+    return f"{'GET' if body is None else 'POST'} {urllib.parse.urlsplit(url).path}"
+
+
+def _call(url: str, body: dict[str, Any] | None, timeout: float) -> Any:
+    """GET (or POST `body` as JSON) `url`: the answer's JSON; `_Answer` for an error status or a body not JSON."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data, {"content-type": "application/json"})
+    name = _request(url, body)
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as r:
+            status, raw = r.status, r.read()
+    except urllib.error.HTTPError as err:
+        status, raw = err.code, err.read()
+    if status >= 300:
+        raise _Answer(name, status, raw)
+    try:
+        return json.loads(raw)
+    except ValueError:
+        raise _Answer(name, status, raw) from None
 
 
 class EngineClient:
@@ -111,24 +132,41 @@ class EngineClient:
 
     def connect(self, deadline_s: float | None = None) -> EngineClient:
         """Waits (up to the deadline) for the server to list its model; takes its name and context length."""
-        deadline = time.monotonic() + (self.deadline_s if deadline_s is None else deadline_s)
-        last = "no answer"
-        while True:
-            try:
-                models = _get_json(f"{self.url}/models", self.request_timeout_s)["data"]
-                entry = next((m for m in models if self.model in (None, m["id"])), None)
-                if entry is None:
-                    raise ConfigError(f"target.engine_urls: engine {self.url} serves {[m['id'] for m in models]}, "
-                                      f"not {self.model!r}")
-                self.model, self.max_model_len = entry["id"], entry.get("max_model_len")
-                return self
-            except (OSError, http.client.HTTPException, KeyError, TypeError, ValueError) as err:
-                if isinstance(err, ConfigError):
-                    raise
-                last = _said(err)
+        wait = self.deadline_s if deadline_s is None else deadline_s
+        deadline = time.monotonic() + wait
+        while (last := self.try_connect()) is not None:
             if time.monotonic() > deadline:
-                raise EngineError(f"engine {self.url}: not reachable within {self.deadline_s:.0f} s ({last})")
+                raise EngineError(f"engine {self.url}: not reachable within {wait:.0f} s ({last})")
             time.sleep(1.0)
+        return self
+
+    def try_connect(self) -> str | None:
+        """One try of `connect`: None once connected, else why not (no answer, or a 5xx: worth another try). An
+        engine that answers, but not as vLLM does (not JSON, another error status, no model list), is refused at once
+        naming the request and what it answered."""
+        try:
+            self._models()
+            return None
+        except _Answer as err:
+            if err.status < 500:
+                raise EngineError(f"engine {self.url}: {err}, not what vLLM's OpenAI server answers; "
+                                  f"{_hint(self.url, err)}") from None
+            return str(err)
+        except (OSError, http.client.HTTPException) as err:
+            return _said(err)
+
+    def _models(self) -> EngineClient:
+        url = f"{self.url}/models"
+        answer = _call(url, None, self.request_timeout_s)
+        models = answer.get("data") if isinstance(answer, dict) else None
+        if not isinstance(models, list) or not all(isinstance(m, dict) and "id" in m for m in models):
+            raise _Answer(_request(url, None), 200, json.dumps(answer).encode())  # JSON, but no model list
+        entry = next((m for m in models if self.model in (None, m["id"])), None)
+        if entry is None:
+            raise ConfigError(f"target.engine_urls: engine {self.url} serves {[m['id'] for m in models]}, "
+                              f"not {self.model!r}")
+        self.model, self.max_model_len = entry["id"], entry.get("max_model_len")
+        return self
 
     def hidden_states(self, token_ids: list[int]) -> Tensor:
         """Hidden states `aux_ids` of one document (the engine may extract more).  # [n, len(aux_ids), H]"""
@@ -141,7 +179,7 @@ class EngineClient:
             tries += 1
             try:
                 return self._once(token_ids)
-            except (OSError, http.client.HTTPException, ValueError, KeyError, TypeError, _Malformed) as err:
+            except (OSError, http.client.HTTPException, ValueError, KeyError, TypeError, _Malformed, _Answer) as err:
                 if isinstance(err, ConfigError):
                     raise
                 last = _said(err)
@@ -152,8 +190,8 @@ class EngineClient:
 
     def _once(self, token_ids: list[int]) -> Tensor:
         body = {"model": self.model, "prompt": token_ids, "max_tokens": 1, "temperature": 0.0}
-        answer = _post_json(f"{self.url}/completions", body, self.request_timeout_s)
-        params = answer.get("kv_transfer_params") or {}
+        answer = _call(f"{self.url}/completions", body, self.request_timeout_s)
+        params = (answer.get("kv_transfer_params") if isinstance(answer, dict) else None) or {}
         path = params.get("hidden_states_path")
         if not path:
             raise _Malformed(f"an answer without kv_transfer_params.hidden_states_path (is the engine started with "
@@ -220,9 +258,18 @@ def _backoff(tries: int) -> float:
 
 
 def _said(err: BaseException) -> str:
-    if isinstance(err, urllib.error.HTTPError):
-        return f"HTTP {err.code}: {err.read().decode(errors='replace')[:300]}"
+    if isinstance(err, _Answer):
+        return str(err)
     return f"{type(err).__name__}: {err}".splitlines()[0][:300]
+
+
+def _hint(url: str, answer: _Answer) -> str:
+    """What to check when an engine's URL answers, but not as vLLM does."""
+    if answer.status == 404 and not url.endswith("/v1"):
+        return "target.engine_urls names each engine's base URL, ending in /v1 (http://host:port/v1)"
+    if answer.status in (401, 403):
+        return "the engine asks for an API key, which the trainer does not send: start it without --api-key"
+    return "is target.engine_urls the base URL of a vLLM engine (http://host:port/v1)?"
 
 
 class EngineExtractor:
@@ -320,10 +367,9 @@ def wait_ready(clients: list[EngineClient], engine: EngineProcess | None, deadli
         while True:
             if engine is not None:
                 engine.check_alive()
-            try:
-                client.connect(deadline_s=0.0)
+            last = client.try_connect()
+            if last is None:
                 break
-            except EngineError:
-                if time.monotonic() > deadline:
-                    raise EngineError(f"engine {client.url}: not reachable within {deadline_s:.0f} s") from None
-                time.sleep(1.0)
+            if time.monotonic() > deadline:
+                raise EngineError(f"engine {client.url}: not reachable within {deadline_s:.0f} s ({last})")
+            time.sleep(1.0)

@@ -61,9 +61,10 @@ def load_target_config(path: str) -> Any:
 
 
 def tokenizer_ids(path: str) -> tuple[int | None, list[int]]:
-    """(number of token ids the tokenizer knows, ids of its reserved, never-emitted special tokens).
+    """(number of token ids the tokenizer knows, ids of its special tokens that can serve as MASK).
 
-    (None, []) for a folder without a tokenizer: then the mask id must be given explicitly.
+    (None, []) for a folder without a tokenizer: then the mask id must be given explicitly. The MASK candidates
+    (`mask_candidates`) are the special tokens nothing writes: see there.
     """
     from transformers import AutoTokenizer
 
@@ -71,8 +72,23 @@ def tokenizer_ids(path: str) -> tuple[int | None, list[int]]:
     if not any((folder / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         return None, []
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    reserved = sorted(i for i, t in tokenizer.added_tokens_decoder.items() if "reserved" in str(t.content))
-    return len(tokenizer), reserved
+    return len(tokenizer), mask_candidates(tokenizer)
+
+
+def mask_candidates(tokenizer: Any) -> list[int]:
+    """Ids of the special tokens a target never reads in its data, in the order MASK takes them (docs/method.md 3).
+
+    A candidate is marked special by the tokenizer (so text never tokenizes into it), is none of its named tokens
+    (bos, eos, pad, unk, ...), and does not appear in its chat template (which writes `<|im_start|>`, `<think>` and
+    the like). Reserved tokens (Llama 3's `<|reserved_special_token_N|>`) come first, then the rest by id (SmolLM2's
+    `<repo_name>`, id 3). The data are checked for the chosen id when a run starts (`check_mask_absent`).
+    """
+    kinds = ("bos", "eos", "unk", "pad", "sep", "cls", "mask")
+    named = {getattr(tokenizer, f"{kind}_token_id", None) for kind in kinds}
+    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else str(tokenizer.chat_template)
+    free = [i for i, t in sorted(tokenizer.added_tokens_decoder.items())
+            if t.special and i not in named and str(t.content) not in template]
+    return sorted(free, key=lambda i: "reserved" not in str(tokenizer.added_tokens_decoder[i].content))
 
 
 def load_target_io(path: str) -> tuple[Tensor, Tensor]:
