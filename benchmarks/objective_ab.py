@@ -334,10 +334,11 @@ def write_result(args: argparse.Namespace, seeds: list[int], names: list[str], r
                                 if all(key in r for r in runs)}}
             curves = {key: {r["seed"]: binned(r["curves"][key], args.bin) if key.startswith("train/") else
                             r["curves"][key] for r in runs}
-                      for key in ("train/lilicorr/walk_minus_argmax", "val/lilicorr/walk_minus_argmax",
-                                  "val/lilicorr/tau", "val/lilicorr/argmax_tau", "val/lilicorr/oracle_tau")
+                      for key in ("val/tau_served", "train/lilicorr/walk_minus_argmax",
+                                  "val/lilicorr/walk_minus_argmax", "val/lilicorr/tau", "val/lilicorr/argmax_tau",
+                                  "val/lilicorr/oracle_tau")
                       if all(key in r.get("curves", {}) for r in runs)}
-            if curves:  # the walk's lead over the unary argmax against steps, per seed
+            if curves:  # served tau and the walk's lead over the unary argmax against steps, per seed
                 recipes[name]["curves"] = curves
             temps = runs[0].get("per_temperature") or {}
             recipes[name]["per_temperature"] = {
