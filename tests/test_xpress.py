@@ -56,7 +56,8 @@ def plain_refined(xhead: XPressHead, hidden, prev, head):
 
 
 # -- settings and the module ----------------------------------------------------------------------------------------
-@pytest.mark.parametrize(("field", "value"), [("rank", 0), ("mlp_hidden", 0), ("num_passes", 0), ("topc", -1),
+@pytest.mark.parametrize(("field", "value"), [("rank", 0), ("rank", 8), ("rank", 48), ("mlp_hidden", 0),
+                                              ("mlp_hidden", 96), ("num_passes", 0), ("topc", -1),
                                               ("topc", V + 1), ("consistency_rounds", -1), ("consistency_weight", -1.0),
                                               ("base_weight", -0.1), ("ce_weight", -1.0), ("tv_weight", -1.0),
                                               ("prev0", "before")])
@@ -345,7 +346,7 @@ def test_engines_xpress_refiner_computes_ours(tmp_path):
     missing or unexpected name, and gives our refined logits and our greedy drafts, over the full vocabulary
     (`xpress_topc: 0`) and over the top C; speculators 0.9's own refiner gives the same logits from the converted
     names."""
-    settings = XPressSettings(rank=16, mlp_hidden=32)
+    settings = XPressSettings(rank=16, mlp_hidden=64)
     torch.manual_seed(10)
     xhead = XPressHead(V, H, B, settings)
     for p in xhead.parameters():
@@ -357,9 +358,10 @@ def test_engines_xpress_refiner_computes_ours(tmp_path):
     anchor = torch.randint(0, V, (n,), generator=gen)
     prev = torch.randint(0, V, (n, B), generator=gen)
     weights = {PREFIX + k: v for k, v in xhead.state_dict().items()}
+    _, speculators = speculators_folder(xhead, {})  # the names from_speculators reads back
     case = {"vocab_size": V, "hidden_size": H, "block_size": B, "config": folder_fields(settings, B),
-            "weights": weights, "inputs": {"hidden": hidden, "head": head, "anchor": anchor, "prev": prev},
-            "num_passes": 3, "topc": 7}
+            "weights": weights, "speculators_weights": speculators,
+            "inputs": {"hidden": hidden, "head": head, "anchor": anchor, "prev": prev}, "num_passes": 3, "topc": 7}
     torch.save([case], tmp_path / "in.pt")
     script = Path(__file__).with_name("xpress_engines.py")
     done = subprocess.run([ENGINE, str(script), str(tmp_path / "in.pt"), str(tmp_path / "out.pt"), FILES],

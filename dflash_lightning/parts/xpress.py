@@ -34,9 +34,11 @@ class XPressSettings:
     (`model.drafter.xpress.*`, training choices a folder does not carry)."""
 
     rank: int = 256
-    """r: width of the refiner's token embedding, projections, causal mixer and MLP (config.json xpress_rank)."""
+    """r: width of the refiner's token embedding, projections, causal mixer and MLP, a power of two >= 16
+    (config.json xpress_rank)."""
     mlp_hidden: int = 512
-    """M: hidden width of the refiner's SwiGLU MLP, 2 r in the recipe (config.json xpress_mlp_hidden)."""
+    """M: hidden width of the refiner's SwiGLU MLP, a multiple of 64; 2 r in the recipe (config.json
+    xpress_mlp_hidden)."""
     num_passes: int = 6
     """K: Jacobi passes that resolve a block at decoding; after pass t the first t drafts are final
     (config.json xpress_num_passes)."""
@@ -66,6 +68,13 @@ class XPressSettings:
         for name in ("rank", "mlp_hidden", "num_passes"):
             if not getattr(self, name) >= 1:
                 raise ConfigError(f"xpress.{name} must be >= 1, got {getattr(self, name)}")
+        # vLLM 0.34's Jacobi kernel (spec_decode/xpress/kernels.py) tiles the rank by tl.arange and tl.dot, the MLP by
+        # 64 columns with no mask: another shape reads past its weights there
+        if self.rank < 16 or self.rank & (self.rank - 1):
+            raise ConfigError(f"xpress.rank must be a power of two >= 16 (vLLM's Jacobi kernel), got {self.rank}")
+        if self.mlp_hidden % 64:
+            raise ConfigError(f"xpress.mlp_hidden must be a multiple of 64 (vLLM's Jacobi kernel), got "
+                              f"{self.mlp_hidden}")
         vocab = getattr(config, "vocab_size", None)
         if not 0 <= self.topc <= (vocab or self.topc):
             raise ConfigError(f"xpress.topc must be in 0..vocab_size ({vocab}), got {self.topc}")
