@@ -17,6 +17,7 @@ from dflash_lightning.parts.xpress import (
     PREFIX,
     SPECULATORS_NAMES,
     XPressHead,
+    XPressMetrics,
     XPressSettings,
     folder_fields,
     from_speculators,
@@ -196,6 +197,36 @@ def test_loss_rows_are_the_acceptances_and_argmax_hits():
     torch.testing.assert_close(out.rows[..., 0], torch.minimum(torch.softmax(tf, -1), p).sum(-1))
     assert torch.equal(out.rows[..., 2].bool(), tf.argmax(-1) == labels[:, 1:])
     assert torch.equal(out.rows[..., 4].bool(), base.argmax(-1) == labels[:, 1:])
+
+
+def test_metrics_against_a_plain_loop():
+    """Per-slot acceptances and their tau, and the accepted prefixes of the three argmax hits, counted by hand."""
+    gen = torch.Generator().manual_seed(12)
+    rows = torch.rand(6, B - 1, 5, generator=gen)
+    rows[..., 2:] = (rows[..., 2:] > 0.3).float()
+    supervised = torch.rand(6, B, generator=gen) > 0.2
+    supervised[:, 0] = False
+    metric = XPressMetrics(B)
+    metric.update(rows[:3], None, supervised[:3])
+    metric.update(rows[3:], None, supervised[3:])
+    out = metric.compute()
+    m = supervised[:, 1:].float()
+    accept = [(rows[:, k, 0] * m[:, k]).sum() / m[:, k].sum() for k in range(B - 1)]
+    tau = 1.0
+    for k in range(B - 1):
+        tau += float(torch.stack(accept[: k + 1]).prod())
+    torch.testing.assert_close(out["xpress/tau_tv"], torch.tensor(tau))
+    torch.testing.assert_close(out["xpress/accept/slot_01"], accept[0])
+    for col, name in ((2, "tau_greedy"), (3, "tau_rounds"), (4, "base_tau_greedy")):
+        blocks = accepted = 0
+        for a in range(6):
+            if supervised[a, 1]:
+                blocks += 1
+                for k in range(B - 1):
+                    if not (supervised[a, k + 1] and rows[a, k, col]):
+                        break
+                    accepted += 1
+        torch.testing.assert_close(out[f"xpress/{name}"], torch.tensor(1 + accepted / blocks))
 
 
 def test_prev0_is_the_token_before_the_anchor_in_its_document():

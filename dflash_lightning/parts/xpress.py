@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torchmetrics import Metric
 
 from dflash_lightning.errors import ConfigError
 
@@ -485,6 +486,49 @@ def xpress_loss(
     return XPressLoss(total / denominator, terms / denominator, rows.view(a, b - 1, -1))
 
 
+ROW_NAMES = ("accept", "base_accept", "right", "rounds_right", "base_right")
+"""What each of `ChunkTerms.rows`' columns holds (1 - TV tf, 1 - TV base, argmax hits: tf, last round, base)."""
+
+
+class XPressMetrics(Metric):
+    """Per slot 1 - TV of the teacher-forced refined logits and of the base logits, the tau each implies (1 + sum_k
+    prod_{i<=k} (1 - TV_i)), and the accepted prefixes of the argmax hits: teacher-forced refined (left-to-right
+    greedy along a correct prefix), the last consistency round (R Jacobi passes from the base argmax) and the base."""
+
+    full_state_update = False
+
+    def __init__(self, block_size: int, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.block_size = block_size
+        for name in ("slots", "accept", "base_accept"):
+            self.add_state(name, torch.zeros(block_size - 1), dist_reduce_fx="sum")  # [B-1]
+        for name in ("right", "rounds_right", "base_right", "blocks"):
+            self.add_state(name, torch.zeros(()), dist_reduce_fx="sum")
+
+    def update(self, rows: Tensor, labels: Tensor, supervised: Tensor) -> None:
+        """`rows [A, B-1, 5]` (`ROW_NAMES`), `supervised [A, B]` (slot 0 never)."""
+        m = supervised[:, 1:].float()
+        rows = rows.float()
+        self.slots += m.sum(0)
+        self.accept += (rows[..., 0] * m).sum(0)
+        self.base_accept += (rows[..., 1] * m).sum(0)
+        valid = m[:, 0]  # blocks whose first draft counts
+        for i, name in ((2, "right"), (3, "rounds_right"), (4, "base_right")):
+            setattr(self, name, getattr(self, name) + ((rows[..., i] * m).cumprod(-1).sum(-1) * valid).sum())
+        self.blocks += valid.sum()
+
+    def compute(self) -> dict[str, Tensor]:
+        slots, blocks = self.slots.clamp_min(1), self.blocks.clamp_min(1)
+        accept, base = self.accept / slots, self.base_accept / slots  # [B-1]
+        out = {"xpress/accept": accept.mean(), "xpress/base_accept": base.mean(),
+               "xpress/tau_tv": 1 + accept.cumprod(0).sum(), "xpress/base_tau_tv": 1 + base.cumprod(0).sum(),
+               "xpress/tau_greedy": 1 + self.right / blocks, "xpress/tau_rounds": 1 + self.rounds_right / blocks,
+               "xpress/base_tau_greedy": 1 + self.base_right / blocks}
+        for k in range(self.block_size - 1):
+            out[f"xpress/accept/slot_{k + 1:02d}"] = accept[k]
+        return out
+
+
 # ---- the folder vLLM 0.34 serves, and speculators' own ------------------------------------------------------------
 FOLDER_FIELDS = {"xpress_rank": "rank", "xpress_mlp_hidden": "mlp_hidden", "xpress_num_passes": "num_passes",
                  "xpress_topc": "topc"}
@@ -602,8 +646,8 @@ def from_speculators(raw: dict[str, Any], state: dict[str, Tensor], num_target_l
 
 
 __all__ = [
-    "FOLDER_FIELDS", "PREFIX", "SPECULATORS_NAMES", "VLLM_ARCHITECTURE", "VLLM_DEFAULTS", "CausalMix", "ChunkTerms",
-    "JacobiDraft", "LatentGrads", "SwiGLU", "XPressHead", "XPressLoss", "XPressSettings", "chunk_loss", "chunk_params",
-    "drafted_prev", "folder_fields", "from_speculators", "gumbel", "jacobi_draft", "settings_from_folder",
-    "teacher_forced_prev", "token_before_anchor", "weight_shapes", "xpress_loss",
+    "FOLDER_FIELDS", "PREFIX", "ROW_NAMES", "SPECULATORS_NAMES", "VLLM_ARCHITECTURE", "VLLM_DEFAULTS", "CausalMix",
+    "ChunkTerms", "JacobiDraft", "LatentGrads", "SwiGLU", "XPressHead", "XPressLoss", "XPressMetrics", "XPressSettings",
+    "chunk_loss", "chunk_params", "drafted_prev", "folder_fields", "from_speculators", "gumbel", "jacobi_draft",
+    "settings_from_folder", "teacher_forced_prev", "token_before_anchor", "weight_shapes", "xpress_loss",
 ]
