@@ -362,8 +362,8 @@ def chunk_loss(
     t_p..t_{p+B-1}, `prev0 [n]` training's prev_0, `weights [R]` each row's slot weight times its supervision, and
     `labels [R]` the data tokens (metrics only). Adds d total / d logits, NOT multiplied by the rows' weights (the
     caller's head matmul applies them, as the head loop does), into `d_logits [R, V]`, and the gradients of the
-    refiner's weights (`chunk_params`) into `grads`. Holds the base logits, P, d_logits and, per pass, the refined
-    logits and their gradient: two `[R, V]` tensors beside the base logits and their gradient.
+    refiner's weights (`chunk_params`) into `grads`. Holds at most five `[R, V]` tensors: the base logits, P and
+    d_logits throughout, and each pass's refined logits (made softmax in place) and their gradient, freed after it.
     """
     s, dt = settings, logits.dtype
     n, b = tokens.shape
