@@ -195,15 +195,15 @@ def config_from_hf(raw: dict[str, Any]) -> DrafterConfig:
         is_causal=None if raw.get("is_causal") is None else bool(raw["is_causal"]),
         variant=variant, **parts,
     )
-    # gamma is a training choice a folder does not carry; check everything else, naming a part's field as the
-    # folder does
+    # gamma is a training choice a folder does not carry; check everything else, naming a part's field as and where
+    # the folder has it (dflash_config, or the top level where a part writes its fields there)
     try:
         replace(cfg, gamma=cfg.gamma or 1.0).check()
     except ConfigError as err:
         message = str(err)
         for part in cfg.preset.parts:
             for key, name in part.config_fields.items():
-                message = message.replace(f"{part.name}.{name}", f"dflash_config.{key}")
+                message = message.replace(f"{part.name}.{name}", f"dflash_config.{key}" if key in dflash else key)
         raise ConfigError(f"drafter config.json: {message}") from err
     return cfg
 

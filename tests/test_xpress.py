@@ -4,6 +4,7 @@ sampled drafts against their q, the folder fields, the speculators converter, an
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 from pathlib import Path
@@ -229,6 +230,63 @@ def test_metrics_against_a_plain_loop():
         torch.testing.assert_close(out[f"xpress/{name}"], torch.tensor(1 + accepted / blocks))
 
 
+def xpress_module(tiny_target, compile: bool = False, **settings):
+    """A two-layer XPress module on the tiny target (width 64), section 14's loss settings."""
+    from dflash_lightning.config import DrafterConfig
+    from dflash_lightning.module import DFlashModule
+
+    cfg = DrafterConfig(num_layers=2, block_size=B, variant="xpress",
+                        xpress=XPressSettings(rank=16, mlp_hidden=64, **settings))
+    module = DFlashModule(str(tiny_target), cfg, token_budget=64, num_anchors=8, objective="ce",
+                          loss_weights="decay", compile=compile)
+    module.configure_model()
+    return module
+
+
+@pytest.fixture(scope="module")
+def xpress_batch(tiny_target):
+    from test_module import batch_with_features
+
+    module = xpress_module(tiny_target)
+    batch = batch_with_features(tiny_target, module.drafter_config.target_layer_ids)
+    batch["final_hidden"] = torch.randn(64, 64, generator=torch.Generator().manual_seed(1))
+    return batch
+
+
+@pytest.mark.parametrize("prev0", ["previous", "anchor"])
+def test_module_step_is_the_plain_loss(tiny_target, xpress_batch, prev0):
+    """The real training step (`DFlashModule.step`: anchors, blocks, labels, teacher rows, prev_0, slot weights, the
+    denominator, the head loop beside it) gives section 14's loss of the plain reference on the same blocks, and the
+    same gradients of the backbone and of the refiner; the loop's own CE adds nothing (weight 0)."""
+    from dflash_lightning.blocks import block_labels, select_anchors, teacher_positions
+
+    module = xpress_module(tiny_target, prev0=prev0)
+    drafter, buf = module.drafter, module.buffers_
+    for p in drafter.parts[0].head.parameters():  # off the refiner's zero mixer and small init
+        p.data.normal_(0, 0.3)
+    out = module.step(xpress_batch, topk=5, generator=torch.Generator().manual_seed(3))
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in drafter.named_parameters()}
+    drafter.zero_grad()
+    anchors, valid = select_anchors(buf.loss_mask, buf.doc_ids, 8, torch.Generator().manual_seed(3))
+    hidden = drafter.block_hidden(buf.features, buf.input_ids, buf.position_ids, buf.doc_ids, anchors, valid)
+    labels, weights = block_labels(buf.input_ids, buf.loss_mask, buf.doc_ids, anchors, valid, buf.slot_weights)
+    assert buf.slot_weights.tolist() == pytest.approx([0.0] + [math.exp(-k / 4) for k in range(B - 1)])
+    teacher = buf.final_hidden[teacher_positions(anchors, B, 64)[:, 1:]]
+    first = labels[:, 0] if prev0 == "anchor" else token_before_anchor(buf.input_ids, buf.doc_ids, anchors)
+    settings = drafter.config.xpress
+    ref, terms = plain_loss(drafter.parts[0].head, settings, hidden, drafter.head_weight, teacher, labels, first,
+                            weights)
+    ref.backward()
+    torch.testing.assert_close(out.loss, ref)
+    logs = out.parts["xpress"].logs
+    torch.testing.assert_close(torch.stack([logs["xpress/loss_tf"], logs["xpress/loss_base"]]), terms[[0, -1]])
+    assert out.parts["xpress"].rows.shape == (8, B - 1, 5)
+    for name, p in drafter.named_parameters():  # fp32: to 1e-5 of each gradient's largest entry
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-5 * float(p.grad.abs().max()), msg=name)
+    assert grads["xpress_head.mix.L"].abs().sum() > 0 and grads["fc.weight"].abs().sum() > 0
+
+
 def test_prev0_is_the_token_before_the_anchor_in_its_document():
     ids = torch.tensor([5, 6, 7, 8, 9, 10])
     docs = torch.tensor([0, 0, 0, 1, 1, 1])
@@ -260,15 +318,16 @@ def test_after_pass_t_the_first_t_drafts_are_left_to_right_greedy(topc):
     hidden = torch.randn(n, B, H, dtype=torch.float64, generator=gen)
     head = torch.randn(V, H, dtype=torch.float64, generator=gen)
     anchor = torch.randint(0, V, (n,), generator=gen)
+    base_logits = hidden[:, 1:] @ head.T  # [N, B-1, V] what the decoder hands the drafting rule
     for prev0 in (None, torch.randint(0, V, (n,), generator=gen)):
         greedy = sequential_greedy(xhead, hidden, head, anchor, anchor if prev0 is None else prev0, topc)
         base = (hidden[:, 1:] @ head.T).argmax(-1)
         assert not torch.equal(greedy, base)  # the refiner changes drafts
         for t in range(B):
-            out = jacobi_draft(xhead, hidden, head, anchor, t, topc=topc, prev0=prev0)
+            out = jacobi_draft(xhead, hidden, base_logits, anchor, t, topc=topc, prev0=prev0)
             assert torch.equal(out.tokens[:, :t], greedy[:, :t]), t
             assert out.q is None
-        assert not all(torch.equal(jacobi_draft(xhead, hidden, head, anchor, t, topc=topc, prev0=prev0).tokens,
+        assert not all(torch.equal(jacobi_draft(xhead, hidden, base_logits, anchor, t, topc=topc, prev0=prev0).tokens,
                                    greedy) for t in range(1, B - 1))  # fewer passes differ somewhere
 
 
@@ -279,8 +338,9 @@ def test_greedy_drafts_at_a_temperature_are_point_masses_unless_sampled():
     hidden = torch.randn(4, B, H, dtype=torch.float64)
     head = torch.randn(V, H, dtype=torch.float64)
     anchor = torch.randint(0, V, (4,))
-    greedy = jacobi_draft(xhead, hidden, head, anchor, 3)
-    warm = jacobi_draft(xhead, hidden, head, anchor, 3, temperature=0.7)
+    base = hidden[:, 1:] @ head.T
+    greedy = jacobi_draft(xhead, hidden, base, anchor, 3)
+    warm = jacobi_draft(xhead, hidden, base, anchor, 3, temperature=0.7)
     assert torch.equal(warm.tokens, greedy.tokens) and warm.q is None
 
 
@@ -294,8 +354,8 @@ def test_sampled_drafts_are_distributed_as_their_q(passes, topc):
     hidden = torch.randn(1, B, H, dtype=torch.float64, generator=gen).expand(6000, -1, -1)
     head = 0.25 * torch.randn(V, H, dtype=torch.float64, generator=gen)
     anchor = torch.full((6000,), 3)
-    out = jacobi_draft(xhead, hidden, head, anchor, passes, topc=topc, temperature=0.8, sampled=True,
-                       generator=torch.Generator().manual_seed(9))
+    out = jacobi_draft(xhead, hidden, hidden[:, 1:] @ head.T, anchor, passes, topc=topc, temperature=0.8,
+                       sampled=True, generator=torch.Generator().manual_seed(9))
     torch.testing.assert_close(out.q.sum(-1), torch.ones(6000, B - 1, dtype=out.q.dtype))
     freq = F.one_hot(out.tokens, V).double().mean(0)  # [B-1, V]
     expected = out.q.mean(0)
@@ -407,5 +467,5 @@ def test_engines_xpress_refiner_computes_ours(tmp_path):
     torch.testing.assert_close(theirs["refined"], ours, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(theirs["speculators_refined"], ours, rtol=1e-5, atol=1e-5)
     for topc, key in ((0, "greedy"), (7, "greedy_topc")):
-        out = jacobi_draft(xhead, hidden, head, anchor, 3, topc=topc)
+        out = jacobi_draft(xhead, hidden, hidden[:, 1:] @ head.T, anchor, 3, topc=topc)
         assert torch.equal(theirs[key], out.tokens), key

@@ -229,6 +229,9 @@ class Part(nn.Module):
     config_fields: ClassVar[dict[str, str]] = {}
     """dflash_config key -> settings field, in the order export writes them; the other settings fields are
     training choices (loss weights) a folder does not carry."""
+    folder_defaults: ClassVar[dict[str, Any]] = {}
+    """`config_fields` keys the engines read at a default where a folder lacks them (XPress's: vLLM's), so import
+    reads them so too (`read_fields`) instead of refusing the folder."""
     weight_prefix: ClassVar[str | None] = None
     """Where the part sits in the drafter (`drafter.<weight_prefix>`, its weights `<weight_prefix>.*`); None: the
     part places its modules itself (`attach`) and names them in `owns`."""

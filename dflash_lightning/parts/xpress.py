@@ -12,14 +12,17 @@ speculators' own `xpress` folder.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torchmetrics import Metric
 
+from dflash_lightning.blocks import BlockLayout, slot_weights
 from dflash_lightning.errors import ConfigError
+from dflash_lightning.loss import rank_mean_weight
+from dflash_lightning.parts.base import Draft, DraftInputs, HeadOutput, Part, PartOutput, RunSettings, TrainInputs
 
 PREFIX = "xpress_head."
 """Where every weight of the refiner sits, in the drafter and in the folder."""
@@ -27,6 +30,9 @@ VLLM_ARCHITECTURE = "Qwen3XPressModel"
 """config.json's `architectures` entry of the folder vLLM 0.34 serves (Model Runner V2, `qwen3_xpress.py`)."""
 VLLM_DEFAULTS = {"xpress_rank": 256, "xpress_mlp_hidden": 512, "xpress_num_passes": 6, "xpress_topc": 512}
 """What vLLM 0.34 reads where a folder's config.json lacks the field (`Qwen3XPressModel`, `XPressSpeculator`)."""
+FILL_IN_GAMMA_4 = BlockLayout(gamma=4.0)
+"""Section 14's block: section 3's fill-in layout (slots 1..B-1 predict p + k and draft), slot weights
+exp(-(k-1)/4) unless `model.drafter.gamma` is set."""
 
 
 @dataclass
@@ -59,7 +65,7 @@ class XPressSettings:
     """Weight of the CE against the target's argmax inside each term."""
     tv_weight: float = 0.9
     """Weight of the total variation distance to the target's distribution inside each term."""
-    prev0: str = "previous"
+    prev0: Literal["previous", "anchor"] = "previous"
     """Training's prev_0, the token the refiner reads at slot 0: `previous`, the token before the anchor in its
     document (section 14, speculators; the anchor's own at a document's start), or `anchor`, the anchor's token,
     which is what vLLM 0.34 feeds when it serves."""
@@ -76,9 +82,10 @@ class XPressSettings:
         if self.mlp_hidden % 64:
             raise ConfigError(f"xpress.mlp_hidden must be a multiple of 64 (vLLM's Jacobi kernel), got "
                               f"{self.mlp_hidden}")
-        vocab = getattr(config, "vocab_size", None)
+        vocab = getattr(config, "vocab_size", None)  # None until the target's config is read
         if not 0 <= self.topc <= (vocab or self.topc):
-            raise ConfigError(f"xpress.topc must be in 0..vocab_size ({vocab}), got {self.topc}")
+            top = f"vocab_size ({vocab})" if vocab else "vocab_size"
+            raise ConfigError(f"xpress.topc must be in 0..{top} (0: the full vocabulary), got {self.topc}")
         if not self.consistency_rounds >= 0:
             raise ConfigError(f"xpress.consistency_rounds must be >= 0, got {self.consistency_rounds}")
         for name in ("consistency_weight", "base_weight", "ce_weight", "tv_weight"):
@@ -210,12 +217,13 @@ def gumbel(shape: tuple[int, ...], generator: torch.Generator | None, device: to
 
 @torch.no_grad()
 def jacobi_draft(
-    xhead: XPressHead, hidden: Tensor, head_weight: Tensor, anchor: Tensor, num_passes: int, topc: int = 0,
+    xhead: XPressHead, hidden: Tensor, base: Tensor, anchor: Tensor, num_passes: int, topc: int = 0,
     temperature: float = 0.0, sampled: bool = False, generator: torch.Generator | None = None,
     prev0: Tensor | None = None,
 ) -> JacobiDraft:
     """Drafts of blocks `hidden [N, B, H]` (the backbone's output after `norm`, every slot) whose slot 0 holds
-    `anchor [N]`, resolved by `num_passes` Jacobi passes (vLLM 0.34's `jacobi_refine_greedy`).
+    `anchor [N]` and whose slots 1..B-1 have the base logits `base [N, B-1, V]` (head(h)), resolved by `num_passes`
+    Jacobi passes (vLLM 0.34's `jacobi_refine_greedy`).
 
     The block starts as each slot's base argmax; every pass recomputes all slots from the previous pass's block
     (prev = [prev_0, x_p, d_1, .., d_{B-2}]) and takes each slot's argmax of its refined logits, so after pass t the
@@ -227,14 +235,15 @@ def jacobi_draft(
     slot k is independent of the earlier slots). Otherwise the greedy block, q None (point masses).
     """
     n, b, _ = hidden.shape
+    vocab = base.shape[-1]
     dt = torch.float32 if hidden.dtype in (torch.float16, torch.bfloat16) else hidden.dtype
-    hidden = hidden.to(dt)
-    base = F.linear(hidden[:, 1:], head_weight.to(dt))  # [N, B-1, V]
-    hcache = xhead.hidden_cache(hidden.to(xhead.w2.weight.dtype)).to(dt)  # [N, B, 2r]
+    base = base.to(dt)  # [N, B-1, V]
+    wt = xhead.w2.weight.dtype
+    hcache = xhead.hidden_cache(hidden.to(wt))  # [N, B, 2r]
     prev0 = anchor if prev0 is None else prev0
     w2 = xhead.w2.weight.to(dt)  # [V, r]
     if topc:
-        base, cand = base.topk(min(topc, base.shape[-1]), dim=-1)  # [N, B-1, C] each
+        base, cand = base.topk(min(topc, vocab), dim=-1)  # [N, B-1, C] each
         readout = w2[cand]  # [N, B-1, C, r]
     noise = gumbel(base.shape, generator, base.device).to(dt) if temperature > 0 and sampled else None
 
@@ -244,7 +253,7 @@ def jacobi_draft(
 
     drafts, z = pick(base), base
     for _ in range(num_passes):
-        x = xhead.latent(drafted_prev(anchor, drafts, prev0), hcache.to(xhead.w2.weight.dtype)).to(dt)[:, 1:]
+        x = xhead.latent(drafted_prev(anchor, drafts, prev0), hcache).to(dt)[:, 1:]  # [N, B-1, r]
         bias = (readout @ x[..., None])[..., 0] if topc else F.linear(x, w2)  # [N, B-1, C or V]
         z = base + bias
         drafts = pick(z)
@@ -252,9 +261,9 @@ def jacobi_draft(
     if noise is not None:
         q = torch.softmax(z / temperature, dim=-1)
         if topc:
-            q = torch.zeros(n, b - 1, head_weight.shape[0], dtype=dt, device=z.device).scatter_(-1, cand, q)
+            q = torch.zeros(n, b - 1, vocab, dtype=dt, device=z.device).scatter_(-1, cand, q)
     if topc:
-        z = torch.full((n, b - 1, head_weight.shape[0]), float("-inf"), dtype=dt, device=z.device).scatter_(-1, cand, z)
+        z = torch.full((n, b - 1, vocab), float("-inf"), dtype=dt, device=z.device).scatter_(-1, cand, z)
     return JacobiDraft(drafts, q, z)
 
 
@@ -426,26 +435,29 @@ class _ChunkedLoss(torch.autograd.Function):
         weights: Tensor, labels: Tensor, xhead: XPressHead, settings: XPressSettings, chunk: int, *params: Tensor,
     ):
         n_blocks, b = tokens.shape
-        dt = torch.promote_types(rows_hidden.dtype, torch.float32)
-        head_dt = head.to(dt)
+        dt = torch.promote_types(rows_hidden.dtype, torch.float32)  # bf16 logits are reduced in fp32, as the loop's
         grads = LatentGrads.zeros(xhead, dt)
         grad_rows = torch.empty(rows_hidden.shape, dtype=dt, device=rows_hidden.device)  # [N, H]
         grad_hcache = torch.empty(hcache.shape, dtype=dt, device=hcache.device)  # [A, B, 2r]
         total, terms, out_rows = 0, 0, []
         per_chunk = max(1, chunk // (b - 1))  # whole blocks
-        for first in range(0, n_blocks, per_chunk):
-            last = min(first + per_chunk, n_blocks)
-            rs, re = first * (b - 1), last * (b - 1)
-            logits = F.linear(rows_hidden[rs:re].to(dt), head_dt)  # [R, V]
-            p = torch.softmax(F.linear(teacher[rs:re].to(dt), head_dt), dim=-1)  # [R, V]
-            d_logits = torch.zeros_like(logits)
-            out = chunk_loss(xhead, settings, logits, p, hcache[first:last].to(dt), tokens[first:last],
-                             prev0[first:last], weights[rs:re].to(dt), labels[rs:re], d_logits, grads)
-            del logits, p
-            grad_rows[rs:re] = (d_logits @ head_dt) * weights[rs:re, None].to(dt)
-            grad_hcache[first:last] = out.d_hcache
-            total, terms = total + out.total, terms + out.terms
-            out_rows.append(out.rows)
+        # the hand-made gradients are fp32 sums: autocast would run their matmuls in bf16
+        with torch.autocast(rows_hidden.device.type, enabled=False):
+            for first in range(0, n_blocks, per_chunk):
+                last = min(first + per_chunk, n_blocks)
+                rs, re = first * (b - 1), last * (b - 1)
+                # the head's matmuls in its own dtype (bf16 under bf16-mixed), as the head loop's: never a whole
+                # fp32 copy of the [V, H] head
+                logits = F.linear(rows_hidden[rs:re].to(head.dtype), head).to(dt)  # [R, V]
+                p = torch.softmax(F.linear(teacher[rs:re].to(head.dtype), head).to(dt), dim=-1)  # [R, V]
+                d_logits = torch.zeros_like(logits)
+                out = chunk_loss(xhead, settings, logits, p, hcache[first:last].to(dt), tokens[first:last],
+                                 prev0[first:last], weights[rs:re].to(dt), labels[rs:re], d_logits, grads)
+                del logits, p
+                grad_rows[rs:re] = ((d_logits * weights[rs:re, None].to(dt)).to(head.dtype) @ head).to(dt)
+                grad_hcache[first:last] = out.d_hcache
+                total, terms = total + out.total, terms + out.terms
+                out_rows.append(out.rows)
         ctx.save_for_backward(grad_rows, grad_hcache, *grads)
         ctx.dtypes = (rows_hidden.dtype, hcache.dtype, *(p.dtype for p in params))
         rows = torch.cat(out_rows)
@@ -576,6 +588,8 @@ def weight_shapes(settings: XPressSettings, vocab_size: int, hidden_size: int, b
     return {PREFIX + name: shape for name, shape in shapes.items()}
 
 
+SPECULATORS_TYPE = "xpress"
+"""`speculators_model_type` of speculators 0.9's own XPress folder."""
 SPECULATORS_NAMES = {
     "token_embed.weight": "w1.weight", "down_h.weight": "down_h.weight", "down_g.weight": "down_g.weight",
     "in_proj.weight": "in_proj.weight", "mix_l": "mix.L", "mlp_gate.weight": "mlp.gate_proj.weight",
@@ -603,8 +617,9 @@ def from_speculators(raw: dict[str, Any], state: dict[str, Tensor], num_target_l
     """
     from transformers import Qwen3Config
 
-    if raw.get("speculators_model_type") != "xpress":
-        raise ConfigError(f"{source}: speculators_model_type {raw.get('speculators_model_type')!r} is not 'xpress'")
+    if raw.get("speculators_model_type") != SPECULATORS_TYPE:
+        raise ConfigError(f"{source}: speculators_model_type {raw.get('speculators_model_type')!r} is not "
+                          f"{SPECULATORS_TYPE!r}")
     layer = raw.get("transformer_layer_config")
     if not isinstance(layer, dict):
         raise ConfigError(f"{source}: transformer_layer_config is missing")
@@ -645,9 +660,108 @@ def from_speculators(raw: dict[str, Any], state: dict[str, Tensor], num_target_l
     return config, weights
 
 
+# ---- the part: what the drafter, the module, the decoder, export and import call (parts/base.py) ------------------
+class XPress(Part):
+    """XPress's refiner (`xpress_head.*`, the folder's names) on section 3's block: section 14's loss, its metrics,
+    Jacobi drafting, and the top-level config.json fields of the Qwen3XPressModel folder vLLM 0.34 serves."""
+
+    name = "xpress"
+    settings_type = XPressSettings
+    config_fields: ClassVar[dict[str, str]] = FOLDER_FIELDS
+    """Written at config.json's top level, where vLLM reads them (`top_level_fields`), not in dflash_config."""
+    folder_defaults: ClassVar[dict[str, Any]] = VLLM_DEFAULTS
+    weight_prefix = PREFIX.rstrip(".")
+    layout = FILL_IN_GAMMA_4
+    fp8_exempt = True  # a small refiner (rank r) whose weights the loss reads by hand
+    needs_final_hidden = True  # P_k = softmax(head(h_final[p + k - 1])): every term distils (section 4c)
+    decodes = True
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        self.head = XPressHead(config.vocab_size, config.hidden_size, config.block_size, self.settings)
+        self.block_size, self.gamma = config.block_size, config.loss_gamma
+
+    def attach(self, drafter: nn.Module) -> None:
+        drafter.add_module(self.weight_prefix, self.head)
+
+    def reset_parameters(self) -> None:
+        self.head.reset_parameters()
+
+    @classmethod
+    def check_run(cls, settings: XPressSettings, run: RunSettings) -> None:
+        """Section 14's loss is its own (CE and TV to the target's distribution, exp(-(k-1)/gamma) slot weights): no
+        distillation objective beside it, no D-PACE weights."""
+        if run.objective != "ce" or run.loss_weights != "decay":
+            raise ConfigError(f"model.objective={run.objective}, model.loss_weights={run.loss_weights}: XPress "
+                              f"(model.drafter.xpress) trains with section 14's loss: set model.objective=ce and "
+                              f"model.loss_weights=decay")
+
+    # --- training
+    def head_inputs(self, batch: TrainInputs) -> tuple[Tensor, ...]:
+        """None per row: the part joins the head loop only to set its objective's weight (`objective_weight`)."""
+        return ()
+
+    def objective_weight(self) -> float:
+        """The head loop's own CE is not among section 14's terms (its base term is TV and CE to the target's argmax,
+        `base_weight`)."""
+        return 0.0
+
+    def loss(self, batch: TrainInputs, head: HeadOutput | None, settings: Any) -> PartOutput:
+        """Section 14's loss over every block (`xpress_loss`), each term divided by the rank-mean count of supervised
+        slots; logs each term, and per row what `XPressMetrics` counts."""
+        s, labels = self.settings, batch.labels  # labels [A, B]: t_p..t_{p+B-1}, slot 0 the anchor's token
+        weights = slot_weights(self.block_size, self.gamma, labels.device, self.layout) * batch.supervised  # [A, B]
+        prev0 = labels[:, 0] if s.prev0 == "anchor" else token_before_anchor(batch.input_ids, batch.doc_ids,
+                                                                              batch.anchors)  # [A]
+        teacher = batch.final_hidden[batch.before[:, 1:]]  # [A, B-1, H] the states that predict slots 1..B-1
+        denominator = rank_mean_weight(batch.supervised[:, 1:].float()).clamp_min(1)
+        out = xpress_loss(self.head, s, batch.hidden, batch.head_weight, teacher, labels, prev0, weights, labels,
+                          denominator)
+        logs = {"xpress/loss_tf": out.terms[0], "xpress/loss_base": out.terms[-1]}
+        if s.consistency_rounds:
+            logs["xpress/loss_rounds"] = out.terms[1:-1].mean()
+        return PartOutput(loss=out.loss, logs=logs, rows=out.rows)
+
+    @classmethod
+    def metric(cls, block_size: int) -> Metric:
+        return XPressMetrics(block_size)
+
+    # --- decoding
+    @torch.no_grad()
+    def draft(self, inputs: DraftInputs) -> Draft:
+        """The block resolved by `num_passes` Jacobi passes from the whole block's hidden states, the anchor as prev_0
+        (vLLM 0.34's rule); at T > 0 the greedy block as point masses, or with `sampled_drafts` the xPress harness's
+        Gumbel drafts and their q."""
+        if inputs.block_hidden is None:
+            raise ValueError("XPress drafts from every slot's hidden state: DraftInputs.block_hidden is None")
+        s = self.settings
+        out = jacobi_draft(self.head, inputs.block_hidden[None], inputs.logits[None], inputs.first_prev.reshape(1),
+                           s.num_passes, s.topc, inputs.temperature, s.sampled_drafts, inputs.generator)
+        return Draft(out.tokens[0], None if out.q is None else out.q[0])
+
+    # --- export and import: config.json's top level (section 14)
+    @classmethod
+    def export_fields(cls, settings: XPressSettings, config: Any = None) -> dict[str, Any]:
+        return {}
+
+    @classmethod
+    def top_level_fields(cls, settings: XPressSettings, config: Any = None) -> dict[str, Any]:
+        return folder_fields(settings, config.block_size)
+
+    @classmethod
+    def speculative_config(cls, settings: XPressSettings) -> dict[str, Any]:
+        """vLLM scores each slot's top 512 base candidates unless told; 0 is the full vocabulary, training's."""
+        return {"xpress_topc": settings.topc}
+
+    @classmethod
+    def read_fields(cls, dflash: dict[str, Any], source: str) -> XPressSettings:
+        return settings_from_folder(dflash, dflash["block_size"], source)
+
+
 __all__ = [
-    "FOLDER_FIELDS", "PREFIX", "ROW_NAMES", "SPECULATORS_NAMES", "VLLM_ARCHITECTURE", "VLLM_DEFAULTS", "CausalMix",
-    "ChunkTerms", "JacobiDraft", "LatentGrads", "SwiGLU", "XPressHead", "XPressLoss", "XPressMetrics", "XPressSettings",
-    "chunk_loss", "chunk_params", "drafted_prev", "folder_fields", "from_speculators", "gumbel", "jacobi_draft",
-    "settings_from_folder", "teacher_forced_prev", "token_before_anchor", "weight_shapes", "xpress_loss",
+    "FILL_IN_GAMMA_4", "FOLDER_FIELDS", "PREFIX", "ROW_NAMES", "SPECULATORS_NAMES", "SPECULATORS_TYPE",
+    "VLLM_ARCHITECTURE", "VLLM_DEFAULTS", "CausalMix", "ChunkTerms", "JacobiDraft", "LatentGrads", "SwiGLU", "XPress",
+    "XPressHead", "XPressLoss", "XPressMetrics", "XPressSettings", "chunk_loss", "chunk_params", "drafted_prev",
+    "folder_fields", "from_speculators", "gumbel", "jacobi_draft", "settings_from_folder", "teacher_forced_prev",
+    "token_before_anchor", "weight_shapes", "xpress_loss",
 ]
