@@ -201,7 +201,7 @@ class DraftOutput:
     """What one training forward returns; `topk` is None unless asked for."""
 
     loss: Tensor
-    """The objective, sum(w * objective) / sum(w)."""
+    """The objective, sum(w * objective) / sum(w) (or a part's `loss_denominator`)."""
     ce: Tensor
     """Weighted cross-entropy against the labels, sum(w * CE) / sum(w), whatever the objective (no gradient)."""
     weights: Tensor
@@ -357,7 +357,11 @@ class DFlashDrafter(nn.Module):
             self.head_chunk_size, topk, B - first, settings, final_hidden,
             before[:, first:].flatten() if settings.distills else None, head_t, in_loop,
         )
-        denominator = rank_mean_weight(used).clamp_min(1e-12)
+        weight_sum = rank_mean_weight(used).clamp_min(1e-12)
+        own = [d for part in self.parts if (d := part.loss_denominator(batch)) is not None]
+        if len(own) > 1:
+            raise ValueError("two parts set the loss's denominator (Part.loss_denominator)")
+        denominator = rank_mean_weight(own[0]).clamp_min(1e-12) if own else weight_sum
         loss = total / denominator
         heads = {id(part): HeadOutput(logged / denominator, rows)
                  for (part, _), (logged, rows) in zip(in_loop, from_loop, strict=True)}
@@ -368,7 +372,7 @@ class DFlashDrafter(nn.Module):
                 loss = loss + out.loss
             outputs[part.name] = out
         return DraftOutput(
-            loss=loss, ce=ce / denominator, weights=_with_slot_0(used.view(-1, B - first), 0.0, first),
+            loss=loss, ce=ce / weight_sum, weights=_with_slot_0(used.view(-1, B - first), 0.0, first),
             supervised=weights > 0, labels=labels,
             topk=None if top is None else _with_slot_0(top.unflatten(0, (-1, B - first)), -1, first), parts=outputs,
         )

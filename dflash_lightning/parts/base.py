@@ -17,8 +17,9 @@ How a new part plugs in:
 3. `parts/presets.py`: the presets that include it (parts, `architectures` name, serve commands).
 4. Override the hooks it needs; each has a do-nothing default. `check_run` refuses run settings it cannot train
    with, when the module is built and when fitting starts. Call order in one training step:
-   `head_inputs` (before the chunked head loop) -> `head_chunk` (inside it, per chunk of whole blocks, with
-   the `[rows, V]` logits that exist only there) -> `loss` (after it, with what the chunks returned) ->
+   `head_inputs` (before the chunked head loop) -> `logit_bias`, `logit_correction`, `head_chunk` (inside it, per
+   chunk of whole blocks, with the `[rows, V]` logits that exist only there) -> `loss_denominator` and `loss` (after
+   it, with what the chunks returned) ->
    the module logs `PartOutput.logs` every `metrics_every` steps and feeds `PartOutput.rows` to `metric()`.
    Decoding calls `draft` (the one part of a preset with `decodes = True`; else each slot's argmax), which returns
    a `Draft` (tokens, q, extras); `evaluate` calls every part's `served_report` with the served records.
@@ -94,27 +95,53 @@ class HeadChunk:
     """One past the chunk's last row."""
     hidden: Tensor
     """The rows' hidden states, in the head's dtype.  # [R, H]"""
-    logits: Tensor
-    """The rows' logits, fp32 (fp64 in tests); only this chunk's exist at once.  # [R, V]"""
+    logits: Tensor | None
+    """The rows' logits, fp32 (fp64 in tests); only this chunk's exist at once. None where a part corrects the
+    logits (`Part.logit_correction`): the loop has turned them into `d_correction` in place.  # [R, V]"""
     lse: Tensor
-    """logsumexp of `logits`.  # [R, 1]"""
+    """logsumexp of `logits` (with a correction: of the corrected logits f).  # [R, 1]"""
     labels: Tensor
     """Target token of each row.  # [R]"""
     weights: Tensor
     """Slot weight of each row this step (D-PACE: from this step's CE), in `logits`' dtype.  # [R]"""
     top_ids: Tensor
-    """The unary top k ids of each row, best first, k >= the part's `top_k`.  # [R, k]"""
+    """The unary top k ids of each row, best first, k >= the part's `top_k` (with a correction: of f, what is
+    served).  # [R, k]"""
     d_logits: Tensor
     """d objective / d logits of the rows before the slot weights apply; a part adds its own term's gradient
-    into it in place (the head's matmul then carries it to `hidden`).  # [R, V]"""
+    into it in place (the head's matmul then carries it to `hidden`). With a correction f = b + c: d / db, which
+    holds d / dc too (b reaches the objective through f as well).  # [R, V]"""
     head: Tensor
     """The frozen head as the loop uses it (FP8 possibly): `F.linear(h, head)` are logits.  # [V, H]"""
     head_t: Tensor
     """Its transpose as the loop uses it: `F.linear(d_logits, head_t)` maps `[R, V]` back to `[R, H]`.  # [H, V]"""
     rows: tuple[Tensor, ...]
-    """The part's own per-row inputs (`head_inputs`), sliced to the chunk."""
+    """The part's own inputs (`head_inputs`) for the chunk: per-row ones sliced to its rows, per-block ones to its
+    blocks, 0-dim ones whole."""
     grads: list[Tensor]
     """fp32 accumulators of the gradients of the part's `head_params`, to add into."""
+    ce: Tensor | None = None
+    """CE of each row's logits against its label (with a correction: of f), no gradient.  # [R]"""
+    d_correction: Tensor | None = None
+    """With the part's correction c (`logit_correction`): d objective / dc of the rows, before the slot weights
+    apply, (1 - lambda) (softmax f - onehot) times `objective_weight`; None otherwise.  # [R, V]"""
+    base_ce: Tensor | None = None
+    """With a correction: the CE of the base logits b against the label, no gradient.  # [R]"""
+    base_ids: Tensor | None = None
+    """With a correction: the argmax of the base logits b.  # [R]"""
+
+
+@dataclass
+class Correction:
+    """A part's correction of a chunk's logits (`Part.logit_correction`): the loop serves f = b + c and trains
+    `objective_weight` * ((1 - base_weight) objective(f) + base_weight objective(b)), b the base logits."""
+
+    logits: Tensor
+    """c, in the dtype of the logits it corrects (rows whose correction is 0 hold zeros); the loop may reuse its
+    buffer.  # [R, V]"""
+    base_weight: Tensor | float = 0.0
+    """lambda, the share of the base logits' objective; a 0-dim tensor where it changes during the run (a compiled
+    loop then takes each step's value without recompiling)."""
 
 
 @dataclass
@@ -122,11 +149,15 @@ class ChunkResult:
     """What a part's `head_chunk` returns; every field optional."""
 
     loss: Tensor | None = None
-    """Its weighted term over the rows, sum(w * term) times its loss weight: joins the objective's sum."""
+    """Its weighted term over the rows, sum(w * term) times its loss weight: joins the objective's sum (divided by the
+    step's denominator, `Part.loss_denominator`)."""
     logged: Tensor | None = None
-    """A 0-dim sum over the rows to report (divided by the weight sum like the loss): `HeadOutput.logged`."""
+    """A 0-dim sum over the rows to report (divided by the step's denominator like the loss): `HeadOutput.logged`."""
     grad_hidden: Tensor | None = None
     """d loss / d hidden of the rows from paths that skip the head's matmul (weighted).  # [R, H]"""
+    grad_inputs: tuple[Tensor | None, ...] = ()
+    """d loss / d each of the chunk's `rows` (weighted; the part's `head_inputs` in order, shorter or None where
+    there is none), for its inputs that require a gradient: the loop hands them to autograd.  # as `rows`"""
     rows: tuple[Tensor, ...] = ()
     """Per-row results the part reads later (`HeadOutput.rows`), `head_rows` of them: concatenated over chunks, no
     gradient.  # [R, ...] each"""
@@ -137,7 +168,8 @@ class HeadOutput:
     """What the head loop hands back to a part's `loss`: its chunk results joined over the step."""
 
     logged: Tensor | None
-    """The sum of `ChunkResult.logged` over chunks, divided by the (rank-mean) weight sum."""
+    """The sum of `ChunkResult.logged` over chunks, divided by the step's denominator (the rank-mean weight sum, or
+    a part's `loss_denominator`)."""
     rows: tuple[Tensor, ...]
     """`ChunkResult.rows` of every row, in order.  # [A * (B - first_slot), ...] each"""
 
@@ -301,8 +333,11 @@ class Part(nn.Module):
         return ()
 
     def head_inputs(self, batch: TrainInputs) -> tuple[Tensor, ...] | None:
-        """Per-row inputs of `head_chunk` (rows: slots first_slot..B-1 of each block, flattened), or None: the part
-        has no `head_chunk`."""
+        """Inputs of `head_chunk`, or None: the part has no `head_chunk`. Each is per row (first dim N: slots
+        first_slot..B-1 of each block, flattened), per block (first dim A) or 0-dim; the loop hands each chunk its
+        rows, its blocks, and the 0-dim ones whole (`HeadChunk.rows`). One that requires a gradient (made by
+        autograd before the loop: Domino's GRU states) gets the gradients `head_chunk` returns in
+        `ChunkResult.grad_inputs`."""
         return None
 
     def logit_bias(self, rows: tuple[Tensor, ...], like: Tensor) -> Tensor | None:
@@ -311,10 +346,25 @@ class Part(nn.Module):
         sliced to the chunk), in `like`'s dtype; None: none.  # [R, V]"""
         return None
 
+    def logit_correction(self, rows: tuple[Tensor, ...], hidden: Tensor, like: Tensor) -> Correction | None:
+        """A correction c of the rows' logits `like [R, V]` (the base logits b, `logit_bias` included) from the part's
+        `rows` and the rows' `hidden [R, H]`: the loop serves f = b + c (its top-k and CE are f's) and trains
+        (1 - lambda) objective(f) + lambda objective(b) (Domino, docs/method.md 13); `head_chunk` then gets
+        `HeadChunk.d_correction` and takes it to the part's weights and inputs. A part that corrects the logits works
+        alone in the loop. None: no correction."""
+        return None
+
     def objective_weight(self) -> float:
         """The scale of the head loop's own objective (section 4's CE or 4c's KL) beside the part's terms (DSpark:
-        0.1 on the CE); 1 by default."""
+        0.1 on the CE); 1 by default. 0: the loop computes neither that objective nor its gradient (`d_logits` starts
+        at zero for the part's terms)."""
         return 1.0
+
+    def loss_denominator(self, batch: TrainInputs) -> Tensor | None:
+        """What the step's summed loss (the head loop's objective and every part's `head_chunk` terms, and their
+        `logged` sums) is divided by, before its mean over data-parallel ranks; None: the slot weights' sum
+        (section 4). At most one part of a preset sets it."""
+        return None
 
     def head_chunk(self, chunk: HeadChunk) -> ChunkResult:
         """The part's work on one chunk of rows while their full logits exist (see `HeadChunk`)."""
@@ -391,5 +441,5 @@ class Part(nn.Module):
         return cls.settings_type(**values)
 
 
-__all__ = ["ChunkResult", "Draft", "DraftInputs", "HeadChunk", "HeadOutput", "Part", "PartOutput", "RunSettings",
-           "TrainInputs"]
+__all__ = ["ChunkResult", "Correction", "Draft", "DraftInputs", "HeadChunk", "HeadOutput", "Part", "PartOutput",
+           "RunSettings", "TrainInputs"]
