@@ -8,15 +8,18 @@ import math
 import os
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from dflash_lightning.errors import ConfigError
+from dflash_lightning.loss import LossSettings, chunked_head_loss
 from dflash_lightning.parts.xpress import (
     PREFIX,
     SPECULATORS_NAMES,
+    XPress,
     XPressHead,
     XPressMetrics,
     XPressSettings,
@@ -26,7 +29,6 @@ from dflash_lightning.parts.xpress import (
     settings_from_folder,
     token_before_anchor,
     weight_shapes,
-    xpress_loss,
 )
 
 V, H, B, R = 48, 24, 5, 6  # vocabulary, width, block, rank
@@ -152,6 +154,22 @@ def loss_case(seed: int = 0, a: int = 7):
     return hidden, head, teacher, tokens, prev0, weights
 
 
+def loop_loss(xhead, settings, hidden, head, teacher, tokens, prev0, weights, labels, chunk: int = 4096):
+    """Section 14's loss through the real chunked head loop (`chunked_head_loss`) with the XPress part in it, its inputs
+    as its `head_inputs` makes them: (the loss over the count of supervised slots, each term so, per-row results
+    `[A, B-1, 8]`)."""
+    part = XPress(SimpleNamespace(xpress=settings, vocab_size=V, hidden_size=H, block_size=B, loss_gamma=4.0))
+    part.head = xhead
+    a = hidden.shape[0]
+    inputs = (xhead.hidden_cache(hidden), tokens, prev0, teacher.flatten(0, 1))
+    total, _, _, _, [(_, rows)] = chunked_head_loss(
+        hidden[:, 1:].flatten(0, 1), head, labels[:, 1:].flatten(), weights[:, 1:].flatten(), chunk, 0, B - 1,
+        LossSettings(loss_weights="decay"), parts=((part, inputs),))
+    rows = rows[0].view(a, B - 1, -1)
+    m = (weights[:, 1:] > 0).sum()
+    return total / m, (weights[:, 1:, None] * rows[..., 5:]).sum((0, 1)) / m, rows
+
+
 @pytest.mark.parametrize(("settings", "chunk"), [
     (SETTINGS, B - 1),  # one block a chunk
     (SETTINGS, 3 * (B - 1) + 2),  # three blocks a chunk, a short last chunk
@@ -160,27 +178,27 @@ def loss_case(seed: int = 0, a: int = 7):
     (XPressSettings(rank=R, mlp_hidden=8, consistency_rounds=2, consistency_weight=1.0, ce_weight=0.0), 2 * (B - 1)),
 ])
 def test_chunked_loss_and_every_gradient_equal_the_plain_reference(settings, chunk):
-    """The chunked loss (hand-made gradients, a few [rows, V] tensors at once) equals the full-tensor autograd
-    reference: the loss, each term, and the gradients of the hidden states (every slot, slot 0 through g and the
-    mix) and of every refiner weight."""
+    """Section 14's loss in the chunked head loop (hand-made gradients, a few [rows, V] tensors of one chunk of whole
+    blocks at once) equals the full-tensor autograd reference: the loss, each term, and the gradients of the hidden
+    states (every slot, slot 0 through g and the mix) and of every refiner weight."""
     xhead = random_head(1, settings)
     hidden, head, teacher, tokens, prev0, weights = loss_case()
-    labels = tokens.clone()
     ref_h = hidden.clone().requires_grad_()
     ref, ref_terms = plain_loss(xhead, settings, ref_h, head, teacher, tokens, prev0, weights)
     ref.backward()
     ref_grads = {n: p.grad.clone() for n, p in xhead.named_parameters()}
     xhead.zero_grad()
     h = hidden.clone().requires_grad_()
-    out = xpress_loss(xhead, settings, h, head, teacher, tokens, prev0, weights, labels, chunk=chunk)
-    out.loss.backward()
-    torch.testing.assert_close(out.loss, ref)
-    torch.testing.assert_close(out.terms, ref_terms)
+    loss, terms, rows = loop_loss(xhead, settings, h, head, teacher, tokens, prev0, weights, tokens, chunk)
+    loss.backward()
+    torch.testing.assert_close(loss, ref)
+    rounds = ref_terms[1:-1].mean() if settings.consistency_rounds else torch.zeros((), dtype=ref.dtype)
+    torch.testing.assert_close(terms, torch.stack([ref_terms[0], rounds, ref_terms[-1]]))
     torch.testing.assert_close(h.grad, ref_h.grad)
     assert h.grad[:, 0].abs().sum() > 0  # slot 0 reaches the loss through g and the mix
     for name, p in xhead.named_parameters():
         torch.testing.assert_close(p.grad, ref_grads[name], msg=name)
-    assert out.rows.shape == (7, B - 1, 5)
+    assert rows.shape == (7, B - 1, 8)
 
 
 def test_loss_rows_are_the_acceptances_and_argmax_hits():
@@ -191,13 +209,13 @@ def test_loss_rows_are_the_acceptances_and_argmax_hits():
     labels = torch.randint(0, V, tokens.shape)
     base = hidden[:, 1:] @ head.T
     labels[:, 1:][:, ::2] = base.argmax(-1)[:, ::2]  # some hits
-    out = xpress_loss(xhead, SETTINGS, hidden, head, teacher, tokens, prev0, weights, labels)
+    _, _, rows = loop_loss(xhead, SETTINGS, hidden, head, teacher, tokens, prev0, weights, labels)
     p = torch.softmax(teacher @ head.T, -1)
-    torch.testing.assert_close(out.rows[..., 1], torch.minimum(torch.softmax(base, -1), p).sum(-1))
+    torch.testing.assert_close(rows[..., 1], torch.minimum(torch.softmax(base, -1), p).sum(-1))
     tf = plain_refined(xhead, hidden, torch.cat([prev0[:, None], tokens[:, :-1]], 1), head)[:, 1:]
-    torch.testing.assert_close(out.rows[..., 0], torch.minimum(torch.softmax(tf, -1), p).sum(-1))
-    assert torch.equal(out.rows[..., 2].bool(), tf.argmax(-1) == labels[:, 1:])
-    assert torch.equal(out.rows[..., 4].bool(), base.argmax(-1) == labels[:, 1:])
+    torch.testing.assert_close(rows[..., 0], torch.minimum(torch.softmax(tf, -1), p).sum(-1))
+    assert torch.equal(rows[..., 2].bool(), tf.argmax(-1) == labels[:, 1:])
+    assert torch.equal(rows[..., 4].bool(), base.argmax(-1) == labels[:, 1:])
 
 
 def test_metrics_against_a_plain_loop():
@@ -280,8 +298,9 @@ def test_module_step_is_the_plain_loss(tiny_target, xpress_batch, prev0):
     ref.backward()
     torch.testing.assert_close(out.loss, ref)
     logs = out.parts["xpress"].logs
-    torch.testing.assert_close(torch.stack([logs["xpress/loss_tf"], logs["xpress/loss_base"]]), terms[[0, -1]])
-    assert out.parts["xpress"].rows.shape == (8, B - 1, 5)
+    torch.testing.assert_close(torch.stack([logs[f"xpress/loss_{k}"] for k in ("tf", "rounds", "base")]),
+                               torch.stack([terms[0], terms[1:-1].mean(), terms[-1]]))
+    assert out.parts["xpress"].rows.shape == (8, B - 1, 8)
     for name, p in drafter.named_parameters():  # fp32: to 1e-5 of each gradient's largest entry
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-5 * float(p.grad.abs().max()), msg=name)
     assert grads["xpress_head.mix.L"].abs().sum() > 0 and grads["fc.weight"].abs().sum() > 0

@@ -21,8 +21,17 @@ from torchmetrics import Metric
 
 from dflash_lightning.blocks import BlockLayout, slot_weights
 from dflash_lightning.errors import ConfigError
-from dflash_lightning.loss import rank_mean_weight
-from dflash_lightning.parts.base import Draft, DraftInputs, HeadOutput, Part, PartOutput, RunSettings, TrainInputs
+from dflash_lightning.parts.base import (
+    ChunkResult,
+    Draft,
+    DraftInputs,
+    HeadChunk,
+    HeadOutput,
+    Part,
+    PartOutput,
+    RunSettings,
+    TrainInputs,
+)
 
 PREFIX = "xpress_head."
 """Where every weight of the refiner sits, in the drafter and in the folder."""
@@ -333,13 +342,12 @@ class ChunkTerms(NamedTuple):
 
     total: Tensor
     """sum w (C(tf) + consistency_weight mean_j C(round j) + base_weight C(base)): joins the objective's sum."""
-    terms: Tensor
-    """sum w C of the teacher-forced pass, each round, the base logits: `[2 + R]` (tf, round 1..R, base)."""
     d_hcache: Tensor
-    """d total / d hcache of the chunk's blocks.  # [n, B, 2r]"""
+    """d total / d hcache of the chunk's blocks (weighted).  # [n, B, 2r]"""
     rows: Tensor
-    """Per row, no gradient: (1 - TV of the tf pass, 1 - TV of the base logits, tf argmax right, last round's
-    argmax right, base argmax right), rights against the data labels.  # [R, 5]"""
+    """Per row, no gradient (`ROW_NAMES`): 1 - TV of the tf pass and of the base logits, whether the argmax of the
+    tf pass, the last round and the base logits is the data label, and C of the tf pass, of the rounds (their
+    mean; 0 without rounds) and of the base logits.  # [R, 8]"""
 
 
 def _term(
@@ -398,108 +406,21 @@ def chunk_loss(
     d_logits.add_(grad, alpha=s.base_weight)
     del grad
     c_tf, tv_tf, pred_tf, d_hcache = refined(teacher_forced_prev(tokens, prev0), 1.0)
-    sums = [(weights * c_tf).sum()]
+    c_rounds = torch.zeros_like(c_tf)  # [R] mean of the rounds' C
     pred, anchor = pred_base, tokens[:, 0]
     for _ in range(rounds):  # each round reads the previous pass's argmax, detached (slot 0: the anchor)
         c, _, pred, d = refined(drafted_prev(anchor, pred.view(n, b - 1), prev0), s.consistency_weight / rounds)
-        sums.append((weights * c).sum())
+        c_rounds = c_rounds + c / rounds
         d_hcache = d_hcache + d
-    sums.append((weights * c_base).sum())
-    terms = torch.stack(sums)
-    total = terms[0] + s.base_weight * terms[-1]
-    if rounds:
-        total = total + s.consistency_weight * terms[1:-1].mean()
+    total = (weights * (c_tf + s.consistency_weight * c_rounds + s.base_weight * c_base)).sum()
     right = [(p == labels).to(dt) for p in (pred_tf, pred, pred_base)]  # pred: the last round's, else the base's
-    rows = torch.stack([1 - tv_tf, 1 - tv_base, *right], -1)
-    return ChunkTerms(total, terms, d_hcache, rows)
+    rows = torch.stack([1 - tv_tf, 1 - tv_base, *right, c_tf, c_rounds, c_base], -1)
+    return ChunkTerms(total, d_hcache, rows)
 
 
-class XPressLoss(NamedTuple):
-    """What `xpress_loss` returns."""
-
-    loss: Tensor
-    """L = C(tf) + consistency_weight mean_j C(round j) + base_weight C(base), each term sum w C / sum m."""
-    terms: Tensor
-    """Each term alone, sum w C / sum m, no gradient: tf, round 1..R, base.  # [2 + R]"""
-    rows: Tensor
-    """Per slot 1..B-1 of every block (`ChunkTerms.rows`).  # [A, B-1, 5]"""
-
-
-class _ChunkedLoss(torch.autograd.Function):
-    """sum w L over blocks, chunk by chunk of whole blocks, its gradients (rows' hidden states through the frozen
-    head, the hidden cache, the refiner's weights) made in the forward pass: the head loop's way (loss.py)."""
-
-    @staticmethod
-    def forward(
-        ctx, rows_hidden: Tensor, hcache: Tensor, head: Tensor, teacher: Tensor, tokens: Tensor, prev0: Tensor,
-        weights: Tensor, labels: Tensor, xhead: XPressHead, settings: XPressSettings, chunk: int, *params: Tensor,
-    ):
-        n_blocks, b = tokens.shape
-        dt = torch.promote_types(rows_hidden.dtype, torch.float32)  # bf16 logits are reduced in fp32, as the loop's
-        grads = LatentGrads.zeros(xhead, dt)
-        grad_rows = torch.empty(rows_hidden.shape, dtype=dt, device=rows_hidden.device)  # [N, H]
-        grad_hcache = torch.empty(hcache.shape, dtype=dt, device=hcache.device)  # [A, B, 2r]
-        total, terms, out_rows = 0, 0, []
-        per_chunk = max(1, chunk // (b - 1))  # whole blocks
-        # the hand-made gradients are fp32 sums: autocast would run their matmuls in bf16
-        with torch.autocast(rows_hidden.device.type, enabled=False):
-            for first in range(0, n_blocks, per_chunk):
-                last = min(first + per_chunk, n_blocks)
-                rs, re = first * (b - 1), last * (b - 1)
-                # the head's matmuls in its own dtype (bf16 under bf16-mixed), as the head loop's: never a whole
-                # fp32 copy of the [V, H] head
-                logits = F.linear(rows_hidden[rs:re].to(head.dtype), head).to(dt)  # [R, V]
-                p = torch.softmax(F.linear(teacher[rs:re].to(head.dtype), head).to(dt), dim=-1)  # [R, V]
-                d_logits = torch.zeros_like(logits)
-                out = chunk_loss(xhead, settings, logits, p, hcache[first:last].to(dt), tokens[first:last],
-                                 prev0[first:last], weights[rs:re].to(dt), labels[rs:re], d_logits, grads)
-                del logits, p
-                grad_rows[rs:re] = ((d_logits * weights[rs:re, None].to(dt)).to(head.dtype) @ head).to(dt)
-                grad_hcache[first:last] = out.d_hcache
-                total, terms = total + out.total, terms + out.terms
-                out_rows.append(out.rows)
-        ctx.save_for_backward(grad_rows, grad_hcache, *grads)
-        ctx.dtypes = (rows_hidden.dtype, hcache.dtype, *(p.dtype for p in params))
-        rows = torch.cat(out_rows)
-        ctx.mark_non_differentiable(terms, rows)
-        return total, terms, rows
-
-    @staticmethod
-    def backward(ctx, grad_total: Tensor, *_):
-        grad_rows, grad_hcache, *grads = ctx.saved_tensors
-        dtypes = ctx.dtypes
-        g = grad_total.to(grad_rows.dtype)
-        return ((grad_rows * g).to(dtypes[0]), (grad_hcache * g).to(dtypes[1]), *[None] * 9,
-                *[(p * g).to(dt) for p, dt in zip(grads, dtypes[2:], strict=True)])
-
-
-def xpress_loss(
-    xhead: XPressHead, settings: XPressSettings, hidden: Tensor, head: Tensor, teacher: Tensor, tokens: Tensor,
-    prev0: Tensor, weights: Tensor, labels: Tensor, denominator: Tensor | None = None, chunk: int = 4096,
-) -> XPressLoss:
-    """Section 14's training loss of blocks `hidden [A, B, H]` (the backbone's output after `norm`, with gradient),
-    chunked: no more than a few `[rows, V]` tensors of one chunk of whole blocks exist at once (`chunk_loss`).
-
-    `head [V, H]` is the frozen head, `teacher [A, B-1, H]` the target's final hidden states that predict slots
-    1..B-1 (section 4c: P = softmax(head(h_final[p + k - 1]))), `tokens [A, B]` the true tokens t_p..t_{p+B-1},
-    `prev0 [A]` training's prev_0 (`token_before_anchor`), `weights [A, B]` the slot weights exp(-(k-1)/4) times the
-    supervision m (slot 0 unread), `labels [A, B]` the data tokens (metrics). Each term is normalised by
-    `denominator` (default sum m over slots 1..B-1; the caller passes its rank mean under DDP).
-    """
-    a, b, _ = hidden.shape
-    w = weights[:, 1:].flatten()  # [N]
-    if denominator is None:
-        denominator = (w > 0).sum().clamp_min(1)
-    hcache = xhead.hidden_cache(hidden)  # [A, B, 2r] by autograd: the gradient reaches down_h, down_g and every slot
-    total, terms, rows = _ChunkedLoss.apply(
-        hidden[:, 1:].flatten(0, 1), hcache, head, teacher.flatten(0, 1), tokens, prev0, w, labels[:, 1:].flatten(),
-        xhead, settings, chunk, *chunk_params(xhead),
-    )
-    return XPressLoss(total / denominator, terms / denominator, rows.view(a, b - 1, -1))
-
-
-ROW_NAMES = ("accept", "base_accept", "right", "rounds_right", "base_right")
-"""What each of `ChunkTerms.rows`' columns holds (1 - TV tf, 1 - TV base, argmax hits: tf, last round, base)."""
+ROW_NAMES = ("accept", "base_accept", "right", "rounds_right", "base_right", "loss_tf", "loss_rounds", "loss_base")
+"""What each of `ChunkTerms.rows`' columns holds (1 - TV tf, 1 - TV base, argmax hits: tf, last round, base; C of
+tf, rounds, base)."""
 
 
 class XPressMetrics(Metric):
@@ -518,7 +439,7 @@ class XPressMetrics(Metric):
             self.add_state(name, torch.zeros(()), dist_reduce_fx="sum")
 
     def update(self, rows: Tensor, labels: Tensor, supervised: Tensor) -> None:
-        """`rows [A, B-1, 5]` (`ROW_NAMES`), `supervised [A, B]` (slot 0 never)."""
+        """`rows [A, B-1, 8]` (`ROW_NAMES`), `supervised [A, B]` (slot 0 never)."""
         m = supervised[:, 1:].float()
         rows = rows.float()
         self.slots += m.sum(0)
@@ -675,6 +596,7 @@ class XPress(Part):
     fp8_exempt = True  # a small refiner (rank r) whose weights the loss reads by hand
     needs_final_hidden = True  # P_k = softmax(head(h_final[p + k - 1])): every term distils (section 4c)
     decodes = True
+    head_rows = 1
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)
@@ -696,31 +618,54 @@ class XPress(Part):
                               f"(model.drafter.xpress) trains with section 14's loss: set model.objective=ce and "
                               f"model.loss_weights=decay")
 
-    # --- training
+    # --- training: inside the chunked head loop, with hand-made gradients (loss.py, docs/parts.md)
+    def head_params(self) -> tuple[Tensor, ...]:
+        return chunk_params(self.head)
+
     def head_inputs(self, batch: TrainInputs) -> tuple[Tensor, ...]:
-        """None per row: the part joins the head loop only to set its objective's weight (`objective_weight`)."""
-        return ()
+        """Per block: the hidden cache [down_h h_k; down_g g] (made here by autograd, so its gradient reaches
+        down_h, down_g and every slot's h, slot 0's included), the true tokens t_p..t_{p+B-1} and prev_0; per row:
+        the target's final hidden state that predicts the row's label (the teacher P of every term)."""
+        labels = batch.labels  # [A, B] t_p..t_{p+B-1}: fill-in labels, slot 0 the anchor's token
+        if self.settings.prev0 == "anchor":
+            prev0 = labels[:, 0]
+        else:
+            prev0 = token_before_anchor(batch.input_ids, batch.doc_ids, batch.anchors)  # [A]
+        hcache = self.head.hidden_cache(batch.hidden)  # [A, B, 2r]
+        teacher = batch.final_hidden[batch.before[:, 1:]].flatten(0, 1)  # [N, H]
+        return hcache, labels, prev0, teacher
 
     def objective_weight(self) -> float:
-        """The head loop's own CE is not among section 14's terms (its base term is TV and CE to the target's argmax,
-        `base_weight`)."""
+        """The head loop's own CE is not among section 14's terms (its base term is C of head(h), `base_weight`): at
+        0 the loop computes none."""
         return 0.0
 
+    def head_chunk(self, chunk: HeadChunk) -> ChunkResult:
+        """Section 14's terms of one chunk of whole blocks (`chunk_loss`) on the loop's base logits, with the
+        target's P made here; the hidden cache's gradient goes back through `grad_inputs`."""
+        hcache, tokens, prev0, teacher = chunk.rows
+        with torch.autocast(chunk.d_logits.device.type, enabled=False):  # fp32 sums, fp32 index_add_
+            dt = chunk.logits.dtype  # fp32 (fp64 in the tests)
+            p = torch.softmax(F.linear(teacher.to(chunk.head.dtype), chunk.head).to(dt), -1)  # [R, V]
+            out = chunk_loss(self.head, self.settings, chunk.logits, p, hcache.to(dt), tokens, prev0, chunk.weights,
+                             chunk.labels, chunk.d_logits, LatentGrads(*chunk.grads))
+        return ChunkResult(loss=out.total, grad_inputs=(out.d_hcache,), rows=(out.rows,))
+
+    def loss_denominator(self, batch: TrainInputs) -> Tensor:
+        """Section 14 divides each term by the count of supervised slots (speculators' sum m), not by the slot
+        weights' sum."""
+        return batch.supervised[:, 1:].float()
+
     def loss(self, batch: TrainInputs, head: HeadOutput | None, settings: Any) -> PartOutput:
-        """Section 14's loss over every block (`xpress_loss`), each term divided by the rank-mean count of supervised
-        slots; logs each term, and per row what `XPressMetrics` counts."""
-        s, labels = self.settings, batch.labels  # labels [A, B]: t_p..t_{p+B-1}, slot 0 the anchor's token
-        weights = slot_weights(self.block_size, self.gamma, labels.device, self.layout) * batch.supervised  # [A, B]
-        prev0 = labels[:, 0] if s.prev0 == "anchor" else token_before_anchor(batch.input_ids, batch.doc_ids,
-                                                                              batch.anchors)  # [A]
-        teacher = batch.final_hidden[batch.before[:, 1:]]  # [A, B-1, H] the states that predict slots 1..B-1
-        denominator = rank_mean_weight(batch.supervised[:, 1:].float()).clamp_min(1)
-        out = xpress_loss(self.head, s, batch.hidden, batch.head_weight, teacher, labels, prev0, weights, labels,
-                          denominator)
-        logs = {"xpress/loss_tf": out.terms[0], "xpress/loss_base": out.terms[-1]}
-        if s.consistency_rounds:
-            logs["xpress/loss_rounds"] = out.terms[1:-1].mean()
-        return PartOutput(loss=out.loss, logs=logs, rows=out.rows)
+        """Each term's mean over the supervised slots (this rank's), and the rows `XPressMetrics` counts."""
+        rows = head.rows[0].unflatten(0, (batch.labels.shape[0], -1))  # [A, B-1, 8]
+        w = slot_weights(self.block_size, self.gamma, rows.device, self.layout)[1:] * batch.supervised[:, 1:]
+        n = batch.supervised[:, 1:].sum().clamp_min(1)
+        sums = (w[..., None] * rows[..., 5:]).sum((0, 1)) / n  # [3] tf, rounds, base
+        logs = {"xpress/loss_tf": sums[0], "xpress/loss_base": sums[2]}
+        if self.settings.consistency_rounds:
+            logs["xpress/loss_rounds"] = sums[1]
+        return PartOutput(logs=logs, rows=rows)
 
     @classmethod
     def metric(cls, block_size: int) -> Metric:
@@ -761,7 +706,7 @@ class XPress(Part):
 __all__ = [
     "FILL_IN_GAMMA_4", "FOLDER_FIELDS", "PREFIX", "ROW_NAMES", "SPECULATORS_NAMES", "SPECULATORS_TYPE",
     "VLLM_ARCHITECTURE", "VLLM_DEFAULTS", "CausalMix", "ChunkTerms", "JacobiDraft", "LatentGrads", "SwiGLU", "XPress",
-    "XPressHead", "XPressLoss", "XPressMetrics", "XPressSettings", "chunk_loss", "chunk_params", "drafted_prev",
+    "XPressHead", "XPressMetrics", "XPressSettings", "chunk_loss", "chunk_params", "drafted_prev",
     "folder_fields", "from_speculators", "gumbel", "jacobi_draft", "settings_from_folder", "teacher_forced_prev",
-    "token_before_anchor", "weight_shapes", "xpress_loss",
+    "token_before_anchor", "weight_shapes",
 ]
