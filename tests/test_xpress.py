@@ -248,6 +248,44 @@ def test_metrics_against_a_plain_loop():
         torch.testing.assert_close(out[f"xpress/{name}"], torch.tensor(1 + accepted / blocks))
 
 
+def test_head_loop_with_xpress_compiles_once_without_host_syncs():
+    """The chunked head loop with the XPress part in it, as `model.compile` compiles it (`compile_blocks`): one graph
+    for two batches of other hidden states, tokens, prev_0, weights and teachers (no recompile, no graph break), no
+    `.item()` / `.tolist()` in it, and the eager loss and gradients. Traced only (a recording backend): inductor's
+    code generation of the unrolled passes takes minutes on two CPU cores (docs/xpress.md)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    xhead = random_head(3).float()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    part = XPress(SimpleNamespace(xpress=SETTINGS, vocab_size=V, hidden_size=H, block_size=B, loss_gamma=4.0))
+    part.head = xhead
+    compiled = torch.compile(chunked_head_loss, backend=backend, fullgraph=True, dynamic=False)
+    counters.clear()
+    for seed in (1, 2):
+        hidden, head, teacher, tokens, prev0, weights = (t.float() if t.is_floating_point() else t
+                                                         for t in loss_case(seed, a=4))
+        grads = []
+        for fn in (compiled, chunked_head_loss):
+            h = hidden.clone().requires_grad_()
+            inputs = (xhead.hidden_cache(h), tokens, prev0, teacher.flatten(0, 1))
+            total, *_ = fn(h[:, 1:].flatten(0, 1), head, tokens[:, 1:].flatten(), weights[:, 1:].flatten(),
+                           2 * (B - 1), 3, B - 1, LossSettings(loss_weights="decay"), parts=((part, inputs),))
+            total.backward()
+            grads.append((total.detach(), h.grad, xhead.mix.L.grad.clone()))
+            xhead.zero_grad()
+        for ours, ref in zip(*grads, strict=True):
+            torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+    assert len(graphs) == 1 and not counters["recompiles"] and not counters["graph_break"]
+    sync_ops = ("item", "tolist", torch.ops.aten._local_scalar_dense.default)
+    assert not [node for node in graphs[0].graph.nodes if node.target in sync_ops]
+
+
 def xpress_module(tiny_target, compile: bool = False, **settings):
     """A two-layer XPress module on the tiny target (width 64), section 14's loss settings."""
     from dflash_lightning.config import DrafterConfig
@@ -440,6 +478,58 @@ def test_speculators_folder_converts_to_the_served_one():
             from_speculators({**raw, **bad}, state, 6, "spec")
     with pytest.raises(ConfigError, match="unknown refiner weight 'refiner_head.gate'"):
         from_speculators(raw, {**state, "refiner_head.gate": torch.ones(1)}, 6, "spec")
+
+
+def test_import_folder_reads_speculators_own_xpress_folder(tiny_target, tmp_path):
+    """speculators 0.9's own `xpress` folder of a drafter (its config fields, its Qwen3 diff, hidden-state layer ids,
+    its refiner's names) imports as that drafter, converted, given the target's layer count as `evaluate` and warm
+    start give it; without it, one line says what to give; a warm start reads it."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from dflash_lightning.config import DrafterConfig
+    from dflash_lightning.export import import_folder
+    from dflash_lightning.model import DFlashDrafter
+    from dflash_lightning.module import warm_start
+    from dflash_lightning.target_model import load_target_config, tokenizer_ids
+
+    settings = XPressSettings(rank=16, mlp_hidden=64, num_passes=4)
+    cfg = DrafterConfig(num_layers=2, block_size=B, variant="xpress", xpress=settings).resolved(
+        load_target_config(str(tiny_target)), *tokenizer_ids(str(tiny_target)))
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(cfg)
+    for p in drafter.parameters():
+        p.data += 0.1 * torch.randn_like(p)
+    theirs = {v: k for k, v in SPECULATORS_NAMES.items()}
+    state = {"refiner_head." + theirs[k.removeprefix(PREFIX)] if k.startswith(PREFIX) else k: v
+             for k, v in drafter.state_dict().items()}
+    layer = {"model_type": "qwen3", "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+             "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
+             "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
+             "head_dim": cfg.head_dim, "max_position_embeddings": cfg.max_position_embeddings}
+    raw = {"speculators_model_type": "xpress", "architectures": ["XPressSpeculator"], "block_size": B,
+           "draft_vocab_size": cfg.vocab_size, "aux_hidden_state_layer_ids": [i + 1 for i in cfg.target_layer_ids],
+           "mask_token_id": cfg.mask_token_id, "xpress_rank": 16, "xpress_mlp_ratio": 4, "num_jacobi_passes": 4,
+           "transformer_layer_config": layer,
+           "speculators_config": {"verifier": {"name_or_path": "Qwen/Qwen3-8B", "architectures": []}}}
+    folder = tmp_path / "speculators"
+    folder.mkdir()
+    save_file(state, folder / "model.safetensors")
+    (folder / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match=r"does not record its target's layer count; give the target it was "
+                                          r"trained for \(its speculators_config names Qwen/Qwen3-8B\)$"):
+        import_folder(folder)
+    back, weights = import_folder(folder, cfg.num_target_layers)
+    assert back.variant == "xpress" and back.xpress == settings
+    training = set(cfg.training_fields())
+    assert {k: v for k, v in back.flat_dict().items() if k not in training} == {
+        k: v for k, v in cfg.flat_dict().items() if k not in training}
+    expected = drafter.state_dict()
+    assert set(weights) == set(expected) and all(torch.equal(weights[k], expected[k]) for k in expected)
+    fresh = DFlashDrafter(cfg)
+    warm_start(fresh, str(folder))
+    assert all(torch.equal(v, expected[k]) for k, v in fresh.state_dict().items())
 
 
 # -- engines ---------------------------------------------------------------------------------------------------------

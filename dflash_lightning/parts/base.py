@@ -419,6 +419,14 @@ class Part(nn.Module):
         return {}
 
     @classmethod
+    def convert_folder(cls, raw: dict[str, Any], state: dict[str, Tensor], source: str,
+                       num_target_layers: int | None) -> tuple[dict[str, Any], dict[str, Tensor]] | None:
+        """Another trainer's own folder of the part's variant (its config.json `raw` and weights `state`) as the folder
+        export writes and the engines serve, (config.json, weights); None (the default): not such a folder.
+        `num_target_layers` is the target's layer count where the caller knows it (such a folder may not say it)."""
+        return None
+
+    @classmethod
     def present_fields(cls, dflash: dict[str, Any]) -> list[str]:
         """The part's `dflash_config` keys a folder's config holds."""
         return [key for key in cls.config_fields if dflash.get(key) is not None]

@@ -702,6 +702,20 @@ class XPress(Part):
     def read_fields(cls, dflash: dict[str, Any], source: str) -> XPressSettings:
         return settings_from_folder(dflash, dflash["block_size"], source)
 
+    @classmethod
+    def convert_folder(cls, raw: dict[str, Any], state: dict[str, Tensor], source: str,
+                       num_target_layers: int | None) -> tuple[dict[str, Any], dict[str, Tensor]] | None:
+        """speculators 0.9's own `xpress` folder, as the Qwen3XPressModel folder (`from_speculators`); it does not
+        record the target's layer count, so the target must be known."""
+        if raw.get("speculators_model_type") != SPECULATORS_TYPE:
+            return None
+        if num_target_layers is None:
+            verifier = ((raw.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+            named = f" (its speculators_config names {verifier})" if verifier else ""
+            raise ConfigError(f"{source}: a speculators XPress folder does not record its target's layer count; give "
+                              f"the target it was trained for{named}")
+        return from_speculators(raw, state, num_target_layers, source)
+
 
 __all__ = [
     "FILL_IN_GAMMA_4", "FOLDER_FIELDS", "PREFIX", "ROW_NAMES", "SPECULATORS_NAMES", "SPECULATORS_TYPE",
