@@ -542,26 +542,46 @@ FILES = os.environ.get("DFLASH_XPRESS_FILES", "")
                                       "(tools/xpress_engine_files.sh)")
 def test_engines_xpress_refiner_computes_ours(tmp_path):
     """vLLM 0.34's own XPress refiner (qwen3_xpress.py and its Jacobi kernels, from the 0.34 wheel, on the engine
-    venv's vLLM 0.32 for the CPU, kernels in Triton's interpreter) loads our weights by its `load_weights` with no
-    missing or unexpected name, and gives our refined logits and our greedy drafts, over the full vocabulary
-    (`xpress_topc: 0`) and over the top C; speculators 0.9's own refiner gives the same logits from the converted
-    names."""
-    settings = XPressSettings(rank=16, mlp_hidden=64)
+    venv's vLLM 0.32 for the CPU, kernels in Triton's interpreter), built from the config.json of a folder we export
+    and loaded with its `xpress_head.*` weights by its `load_weights`, misses no weight and knows every one, gives our
+    refined logits, and drafts what our drafting rule drafts (`XPress.draft`, as the decoder calls it: the anchor as
+    prev_0) over the full vocabulary (`xpress_topc: 0`, what we export) and over the top C; speculators 0.9's own
+    refiner gives the same logits from the names `from_speculators` reads."""
+    import json
+    from dataclasses import replace
+
+    from safetensors.torch import load_file
+
+    from dflash_lightning.config import DrafterConfig
+    from dflash_lightning.export import write_folder
+    from dflash_lightning.model import DFlashDrafter
+    from dflash_lightning.parts.base import DraftInputs
+
+    cfg = DrafterConfig(num_layers=1, block_size=B, mask_token_id=V - 1, target_layer_ids=[1], hidden_size=H,
+                        intermediate_size=2 * H, num_attention_heads=2, num_key_value_heads=1, head_dim=12,
+                        rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=64, vocab_size=V,
+                        num_target_layers=4, variant="xpress", xpress=XPressSettings(rank=16, mlp_hidden=64,
+                                                                                     num_passes=3))
     torch.manual_seed(10)
-    xhead = XPressHead(V, H, B, settings)
-    for p in xhead.parameters():
+    drafter = DFlashDrafter(cfg)
+    for p in drafter.parameters():
         p.data.normal_(0, 0.3)
+    folder = write_folder(cfg, drafter.state_dict(), tmp_path / "folder")
+    config = json.loads((folder / "config.json").read_text())
+    weights = {k: v for k, v in load_file(folder / "model.safetensors").items() if k.startswith(PREFIX)}
+    part = drafter.parts[0]
+    xhead = part.head
     gen = torch.Generator().manual_seed(11)
     n = 6
     hidden = torch.randn(n, B, H, generator=gen)
     head = torch.randn(V, H, generator=gen)
     anchor = torch.randint(0, V, (n,), generator=gen)
     prev = torch.randint(0, V, (n, B), generator=gen)
-    weights = {PREFIX + k: v for k, v in xhead.state_dict().items()}
     _, speculators = speculators_folder(xhead, {})  # the names from_speculators reads back
-    case = {"vocab_size": V, "hidden_size": H, "block_size": B, "config": folder_fields(settings, B),
-            "weights": weights, "speculators_weights": speculators,
-            "inputs": {"hidden": hidden, "head": head, "anchor": anchor, "prev": prev}, "num_passes": 3, "topc": 7}
+    case = {"vocab_size": V, "hidden_size": H, "block_size": B, "config": config, "weights": weights,
+            "speculators_weights": speculators, "inputs": {"hidden": hidden, "head": head, "anchor": anchor,
+                                                           "prev": prev},
+            "num_passes": config["xpress_num_passes"], "topc": 7}
     torch.save([case], tmp_path / "in.pt")
     script = Path(__file__).with_name("xpress_engines.py")
     done = subprocess.run([ENGINE, str(script), str(tmp_path / "in.pt"), str(tmp_path / "out.pt"), FILES],
@@ -575,6 +595,9 @@ def test_engines_xpress_refiner_computes_ours(tmp_path):
         ours = xhead(hidden, prev, head)
     torch.testing.assert_close(theirs["refined"], ours, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(theirs["speculators_refined"], ours, rtol=1e-5, atol=1e-5)
+    assert config["xpress_topc"] == 0
     for topc, key in ((0, "greedy"), (7, "greedy_topc")):
-        out = jacobi_draft(xhead, hidden, hidden[:, 1:] @ head.T, anchor, 3, topc=topc)
-        assert torch.equal(theirs[key], out.tokens), key
+        part.settings = replace(cfg.xpress, topc=topc)
+        drafts = torch.stack([part.draft(DraftInputs(hidden[i, 1:], hidden[i, 1:] @ head.T, anchor[i], None, head, 0.0,
+                                                     None, hidden[i])).tokens for i in range(n)])
+        assert torch.equal(theirs[key], drafts), key
