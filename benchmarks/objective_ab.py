@@ -18,6 +18,13 @@ DSpark against DFlash2 at the tiny default's block size (issue 37; not yet run):
     python benchmarks/objective_ab.py --recipes dflash2-dpace-ce,dspark --temperatures 0,0.6,1 --device cuda \
         --out benchmarks/results/tiny-dspark-ab.json
 
+XPress against DFlash2 and DSpark (issue 44; not yet run): `xpress` drafts as vLLM 0.34 serves it (the greedy Jacobi
+block, point masses at T > 0), `xpress-gumbel` with the xPress harness's sampled drafts and their q at T > 0 (the same
+at T 0), `xpress-prev0-anchor` trains with the anchor as prev_0, which is what vLLM feeds when it serves:
+
+    python benchmarks/objective_ab.py --recipes dflash2-dpace-ce,dspark,xpress,xpress-gumbel,xpress-prev0-anchor \
+        --temperatures 0,0.6,1 --seeds 0,1 --device cuda --out benchmarks/results/tiny-xpress-ab.json
+
 Features from an FP8 target against a bf16 one (issue 26), on a Hopper GPU:
 
     python benchmarks/objective_ab.py --recipes target-bf16,target-fp8 --device cuda --jobs 6 --threads 2 --out X.json
@@ -42,6 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DPACE = {"model.objective": "ce", "model.loss_weights": "dpace"}
 TINY_LATTICE = {"model.drafter.lilicorr.hidden_size": 0, "model.drafter.lilicorr.factor_dim": 128}
 B7 = {"model.drafter.block_size": 7, "model.drafter.gamma": 4.0}
+XPRESS = {"model.objective": "ce", "model.loss_weights": "decay", "model.drafter.variant": "xpress"}
 RECIPES = {
     "decay-ce": {"model.objective": "ce", "model.loss_weights": "decay"},
     "dpace-ce": {"model.objective": "ce", "model.loss_weights": "dpace"},
@@ -50,6 +58,10 @@ RECIPES = {
     "dflash2-dpace-ce": {"model.objective": "ce", "model.loss_weights": "dpace", "model.drafter.variant": "dflash2"},
     # DSpark (docs/dspark.md): its own loss (decay weights exp(-k/4), reads the target's final hidden states)
     "dspark": {"model.objective": "ce", "model.loss_weights": "decay", "model.drafter.variant": "dspark"},
+    # XPress (docs/xpress.md): its own loss (decay weights exp(-(k-1)/4), reads the target's final hidden states)
+    "xpress": XPRESS,
+    "xpress-gumbel": {**XPRESS, "model.drafter.xpress.sampled_drafts": True},
+    "xpress-prev0-anchor": {**XPRESS, "model.drafter.xpress.prev0": "anchor"},
     # LiLiCorr (docs/lilicorr.md) with the lattice at the tiny drafter's width (the recipe's 1024 is 8x the drafter)
     "lilicorr-dpace-ce": {**DPACE, "model.drafter.variant": "lilicorr", **TINY_LATTICE},
     "lilicorr-conv-dpace-ce": {**DPACE, "model.drafter.variant": "lilicorr-conv", **TINY_LATTICE},
@@ -126,12 +138,12 @@ def one_run(name: str, seed: int, work: Path, base: dict, config_name: str, thre
     return record
 
 
-PART_METRICS = ("train/selector", "train/lilicorr", "train/dspark")  # the parts' own metrics (docs/parts.md)
+PART_METRICS = ("train/selector", "train/lilicorr", "train/dspark", "train/xpress")  # the parts' own (docs/parts.md)
 
 
 def _last_selector_metrics(run_dir: Path) -> dict:
-    """The last logged values of the parts' metrics (DFlash2's selector, LiLiCorr's lattice, DSpark's heads) and of
-    train/tau, val/tau and val/loss in a run's CSV log."""
+    """The last logged values of the parts' metrics (DFlash2's selector, LiLiCorr's lattice, DSpark's heads, XPress's
+    refiner) and of train/tau, val/tau and val/loss in a run's CSV log."""
     import csv
 
     out: dict = {}

@@ -460,3 +460,14 @@ def check_cache_trains_a_part_offline(setup: dict, tmp_path: Path, args: list[st
         cli_main(["fit", "--config", setup["config"], f"--data.feature_cache={setup['root'] / 'bf16'}", *args,
                   "--trainer.max_steps=1", f"--trainer.default_root_dir={tmp_path / 'b'}"])
     return cli
+
+
+XPRESS_ARGS = ["--model.drafter.variant=xpress", "--model.loss_weights=decay", "--model.objective=ce",
+               "--model.drafter.xpress.rank=16", "--model.drafter.xpress.mlp_hidden=64"]
+
+
+def test_a_cache_written_for_xpress_holds_the_final_hidden_state_and_trains_it_offline(setup, tmp_path):
+    """XPress's loss distils the target's distribution (docs/method.md 14): `cache` stores the final hidden states for
+    its config by default, a fit reads them, a cache without them is refused naming the flag."""
+    cli = check_cache_trains_a_part_offline(setup, tmp_path, XPRESS_ARGS)
+    assert cli.model.drafter.xpress_head.mix.L.abs().sum() > 0  # the refiner trained (its mixer starts at 0)

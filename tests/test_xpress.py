@@ -286,7 +286,7 @@ def test_head_loop_with_xpress_compiles_once_without_host_syncs():
     assert not [node for node in graphs[0].graph.nodes if node.target in sync_ops]
 
 
-def xpress_module(tiny_target, compile: bool = False, **settings):
+def xpress_module(tiny_target, compile: bool = False, fp8: str = "none", **settings):
     """A two-layer XPress module on the tiny target (width 64), section 14's loss settings."""
     from dflash_lightning.config import DrafterConfig
     from dflash_lightning.module import DFlashModule
@@ -294,7 +294,7 @@ def xpress_module(tiny_target, compile: bool = False, **settings):
     cfg = DrafterConfig(num_layers=2, block_size=B, variant="xpress",
                         xpress=XPressSettings(rank=16, mlp_hidden=64, **settings))
     module = DFlashModule(str(tiny_target), cfg, token_budget=64, num_anchors=8, objective="ce",
-                          loss_weights="decay", compile=compile)
+                          loss_weights="decay", compile=compile, fp8=fp8)
     module.configure_model()
     return module
 
@@ -342,6 +342,42 @@ def test_module_step_is_the_plain_loss(tiny_target, xpress_batch, prev0):
     for name, p in drafter.named_parameters():  # fp32: to 1e-5 of each gradient's largest entry
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-5 * float(p.grad.abs().max()), msg=name)
     assert grads["xpress_head.mix.L"].abs().sum() > 0 and grads["fc.weight"].abs().sum() > 0
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
+def test_bf16_steps_follow_the_fp32_step(tiny_target, xpress_batch, precision):
+    """bf16 compute over fp32 weights (autocast, as bf16-mixed runs) and bf16 weights: the refiner's hand-made sums
+    and its weights' gradient accumulators stay fp32 (autocast off inside the chunk), the loss stays within 3% of the
+    fp32 step's, every gradient is finite and of its weight's dtype."""
+    module = xpress_module(tiny_target)
+    reference = module.step(xpress_batch, generator=torch.Generator().manual_seed(3)).loss.detach()
+    if precision == "bf16-true":
+        module = module.to(torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
+        out = module.step(xpress_batch, generator=torch.Generator().manual_seed(3))
+    out.loss.backward()
+    torch.testing.assert_close(out.loss.float(), reference, rtol=3e-2, atol=0)
+    for name, p in module.drafter.named_parameters():
+        assert p.grad is not None and p.grad.dtype == p.dtype and p.grad.isfinite().all(), name
+
+
+def test_fp8_leaves_the_refiner_in_high_precision(tiny_target, xpress_batch, monkeypatch):
+    """`model.fp8=all` converts the backbone's linears, not the refiner's (`fp8_exempt`: the loss reads its weights
+    by hand); the step's loss stays close to the bf16 one (torchao's CPU path)."""
+    from test_precision import needs_cpu_fp8
+
+    if needs_cpu_fp8.args[0]:
+        pytest.skip(needs_cpu_fp8.kwargs["reason"])
+    pytest.importorskip("torchao")
+    monkeypatch.setattr("dflash_lightning.module.require_fp8", lambda *args: None)
+    base = xpress_module(tiny_target).to(torch.bfloat16)
+    fp8 = xpress_module(tiny_target, fp8="all").to(torch.bfloat16)
+    fp8.load_state_dict(base.state_dict())
+    assert type(fp8.drafter.layers[0].mlp.up_proj).__name__ == "Float8Linear"
+    assert all(type(m) is torch.nn.Linear for m in fp8.drafter.xpress_head.modules() if isinstance(m, torch.nn.Linear))
+    losses = [m.step(xpress_batch, generator=torch.Generator().manual_seed(2)).loss.float() for m in (base, fp8)]
+    assert not torch.equal(*losses)  # FP8 did run
+    torch.testing.assert_close(losses[1], losses[0], rtol=3e-2, atol=0)
 
 
 def test_prev0_is_the_token_before_the_anchor_in_its_document():
