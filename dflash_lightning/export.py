@@ -462,7 +462,7 @@ def print_serve_commands(folder: Path, cfg: DrafterConfig, target: str | None, d
         print(f"SGLang: no runtime serves this drafter (a {architecture} with its parts), so no SGLang command")
     if target is None:
         print("TARGET_MODEL: the target model the drafter was trained for")
-    if dtype == "float32":
+    if dtype == "float32" and "sglang" in commands:
         print("float32 weights: SGLang's --dtype auto serves a float32 config in float16; against a bfloat16 target "
               "export with --dtype bfloat16")
 

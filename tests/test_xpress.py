@@ -568,6 +568,30 @@ def test_import_folder_reads_speculators_own_xpress_folder(tiny_target, tmp_path
     assert all(torch.equal(v, expected[k]) for k, v in fresh.state_dict().items())
 
 
+def test_warm_start_from_an_xpress_drafter_of_another_shape_is_refused_naming_the_field(tiny_target, tmp_path):
+    """The refiner's fields a folder carries (`config_fields`: rank, MLP width, passes, top C) must match: a source of
+    another rank is refused in one line naming it, not by a tensor size error; a training choice may differ."""
+    from dataclasses import replace
+
+    from dflash_lightning.config import DrafterConfig
+    from dflash_lightning.export import write_folder
+    from dflash_lightning.model import DFlashDrafter
+    from dflash_lightning.module import warm_start
+    from dflash_lightning.target_model import load_target_config, tokenizer_ids
+
+    def drafter(**settings):
+        cfg = DrafterConfig(num_layers=1, block_size=B, variant="xpress", xpress=XPressSettings(**settings))
+        return DFlashDrafter(cfg.resolved(load_target_config(str(tiny_target)), *tokenizer_ids(str(tiny_target))))
+
+    source = drafter(rank=32, mlp_hidden=64)
+    folder = write_folder(source.config, source.state_dict(), tmp_path / "r32")
+    with pytest.raises(ConfigError, match=r"^model.init_from '.*': its drafter differs from this run's in "
+                                          r"xpress.rank$"):
+        warm_start(drafter(rank=16, mlp_hidden=64), str(folder))
+    same = drafter(**{**vars(replace(source.config.xpress)), "consistency_rounds": 1})  # a training choice
+    warm_start(same, str(folder))
+
+
 # -- engines ---------------------------------------------------------------------------------------------------------
 ENGINE = os.environ.get("DFLASH_ENGINE_PYTHON", "")
 FILES = os.environ.get("DFLASH_XPRESS_FILES", "")
