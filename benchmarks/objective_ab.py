@@ -25,6 +25,11 @@ at T 0), `xpress-prev0-anchor` trains with the anchor as prev_0, which is what v
     python benchmarks/objective_ab.py --recipes dflash2-dpace-ce,dspark,xpress,xpress-gumbel,xpress-prev0-anchor \
         --temperatures 0,0.6,1 --seeds 0,1 --device cuda --out benchmarks/results/tiny-xpress-ab.json
 
+Domino against DFlash2 and DSpark at the tiny default's block size (issue 44; not yet run):
+
+    python benchmarks/objective_ab.py --recipes dflash2-dpace-ce,dspark,domino --temperatures 0,0.6,1 --device cuda \
+        --out benchmarks/results/tiny-domino-ab.json
+
 Features from an FP8 target against a bf16 one (issue 26), on a Hopper GPU:
 
     python benchmarks/objective_ab.py --recipes target-bf16,target-fp8 --device cuda --jobs 6 --threads 2 --out X.json
@@ -62,6 +67,10 @@ RECIPES = {
     "xpress": XPRESS,
     "xpress-gumbel": {**XPRESS, "model.drafter.xpress.sampled_drafts": True},
     "xpress-prev0-anchor": {**XPRESS, "model.drafter.xpress.prev0": "anchor"},
+    # Domino (docs/domino.md): its own loss (CE on the corrected and the base logits, lambda 1 -> 0 over the run,
+    # decay weights exp(-k/7)); GRU and projector at ModelOpt's proportions to the width (1024 and 256 of 4096)
+    "domino": {"model.objective": "ce", "model.loss_weights": "decay", "model.drafter.variant": "domino",
+               "model.drafter.domino.gru_hidden_dim": 32, "model.drafter.domino.emb_dim": 8},
     # LiLiCorr (docs/lilicorr.md) with the lattice at the tiny drafter's width (the recipe's 1024 is 8x the drafter)
     "lilicorr-dpace-ce": {**DPACE, "model.drafter.variant": "lilicorr", **TINY_LATTICE},
     "lilicorr-conv-dpace-ce": {**DPACE, "model.drafter.variant": "lilicorr-conv", **TINY_LATTICE},
@@ -99,8 +108,10 @@ def run_config(base: dict, run_dir: Path, seed: int, settings: dict, device: str
 
 
 def one_run(name: str, seed: int, work: Path, base: dict, config_name: str, threads: int | None = None,
-            device: str = "cpu", temperatures: str = "0") -> dict:
-    """fit then evaluate one recipe and seed (or read the finished run); its figures."""
+            device: str = "cpu", temperatures: str = "0", extra: dict | None = None, prompts: str = PROMPTS,
+            evaluate_args: tuple[str, ...] = ()) -> dict:
+    """fit then evaluate one recipe and seed (or read the finished run); its figures. `extra`: settings (dotted keys)
+    over every recipe's (a shared feature cache, the step count); `evaluate_args`: more `evaluate` options."""
     run_dir = work / f"{name}-seed{seed}"
     report_path = run_dir / "eval" / "report.json"
     record_path = run_dir / "run.json"
@@ -108,7 +119,7 @@ def one_run(name: str, seed: int, work: Path, base: dict, config_name: str, thre
         return json.loads(record_path.read_text())
     run_dir.mkdir(parents=True, exist_ok=True)
     config = run_dir / "config.yaml"
-    config.write_text(yaml.safe_dump(run_config(base, run_dir, seed, RECIPES[name], device)))
+    config.write_text(yaml.safe_dump(run_config(base, run_dir, seed, {**RECIPES[name], **(extra or {})}, device)))
     env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
     t0 = time.perf_counter()
     fit = [sys.executable, "-m", "dflash_lightning", "fit", "--config", str(config)]
@@ -116,15 +127,15 @@ def one_run(name: str, seed: int, work: Path, base: dict, config_name: str, thre
         subprocess.run(fit, cwd=ROOT, env=env, check=True, stdout=log, stderr=subprocess.STDOUT)
     t1 = time.perf_counter()
     ckpt = str(run_dir / "checkpoints/last.ckpt")
-    evaluate = [sys.executable, "-m", "dflash_lightning", "evaluate", "--drafter", ckpt, "--prompts", PROMPTS,
+    evaluate = [sys.executable, "-m", "dflash_lightning", "evaluate", "--drafter", ckpt, "--prompts", prompts,
                 "--device", device, "--dtype", "float32", "--out", str(run_dir / "eval"),
-                "--temperature", temperatures, "--seed", "0"]
+                "--temperature", temperatures, "--seed", "0", *evaluate_args]
     with open(run_dir / "eval.log", "w") as log:
         subprocess.run(evaluate, cwd=ROOT, env=env, check=True, stdout=log, stderr=subprocess.STDOUT)
     t2 = time.perf_counter()
     report = json.loads(report_path.read_text())
     record = {
-        "recipe": name, "seed": seed, "settings": RECIPES[name], "config": config_name,
+        "recipe": name, "seed": seed, "settings": {**RECIPES[name], **(extra or {})}, "config": config_name,
         "tau_pooled": report["tau_pooled"], "tau_prompt_mean": report["tau_prompt_mean"],
         "tokens_per_step": report["tokens_per_step"], "mismatches": report["mismatches"],
         "num_prompts": report["num_prompts"], "speedup": report["speedup"],
@@ -133,17 +144,18 @@ def one_run(name: str, seed: int, work: Path, base: dict, config_name: str, thre
                                                         "mismatches")}
                             for t, run in report.get("per_temperature", {}).items()},
         "selector": _last_selector_metrics(run_dir),
+        "curve": _served_curve(run_dir),
     }
     record_path.write_text(json.dumps(record, indent=2) + "\n")
     return record
 
 
-PART_METRICS = ("train/selector", "train/lilicorr", "train/dspark", "train/xpress")  # the parts' own (docs/parts.md)
+PART_METRICS = ("train/selector", "train/lilicorr", "train/dspark", "train/domino", "train/xpress")  # docs/parts.md
 
 
 def _last_selector_metrics(run_dir: Path) -> dict:
-    """The last logged values of the parts' metrics (DFlash2's selector, LiLiCorr's lattice, DSpark's heads, XPress's
-    refiner) and of train/tau, val/tau and val/loss in a run's CSV log."""
+    """The last logged values of the parts' metrics (DFlash2's selector, LiLiCorr's lattice, DSpark's heads, Domino's
+    correction, XPress's refiner) and of train/tau, val/tau and val/loss in a run's CSV log."""
     import csv
 
     out: dict = {}
@@ -153,6 +165,20 @@ def _last_selector_metrics(run_dir: Path) -> dict:
                 for key, value in row.items():
                     if value and (key.startswith(PART_METRICS) or key in ("train/tau", "val/tau", "val/loss")):
                         out[key] = float(value)
+    return out
+
+
+def _served_curve(run_dir: Path) -> dict[str, dict[str, float]]:
+    """Served tau (`val/tau_served`, spec_eval's greedy decoding during the fit) and `val/tau` by step."""
+    import csv
+
+    out: dict[str, dict[str, float]] = {}
+    for path in sorted(run_dir.glob("dflash/version_*/metrics.csv")):
+        with open(path) as f:
+            for row in csv.DictReader(f):
+                for key in ("val/tau_served", "val/tau"):
+                    if row.get(key):
+                        out.setdefault(key, {})[row["step"]] = float(row[key])
     return out
 
 
@@ -173,7 +199,16 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS of each run; None: torch's default")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where fit and evaluate run")
     parser.add_argument("--temperatures", default="0", help="evaluate's --temperature list, e.g. 0,0.6,1")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a setting (dotted, YAML value) over every recipe's, e.g. data.feature_cache=DIR")
+    parser.add_argument("--prompts", default=PROMPTS, help="evaluate's prompts")
+    parser.add_argument("--num-prompts", type=int, default=None, help="evaluate only the first N prompts")
+    parser.add_argument("--max-new-tokens", type=int, default=None, help="evaluate's --max_new_tokens")
     args = parser.parse_args()
+    extra = {key: yaml.safe_load(value) for key, _, value in (item.partition("=") for item in args.set)}
+    evaluate_args = tuple(
+        a for flag, value in (("--num_prompts", args.num_prompts), ("--max_new_tokens", args.max_new_tokens))
+        if value is not None for a in (flag, str(value)))
     base = yaml.safe_load((ROOT / args.config).read_text())
     seeds = [int(s) for s in args.seeds.split(",")]
     names = args.recipes.split(",")
@@ -184,7 +219,7 @@ def main() -> None:
     records = []
     with ThreadPoolExecutor(args.jobs) as pool:
         runs = [pool.submit(one_run, name, seed, args.work.resolve(), base, args.config, args.threads, args.device,
-                            args.temperatures) for name, seed in plan]
+                            args.temperatures, extra, args.prompts, evaluate_args) for name, seed in plan]
         for run in runs:
             records.append(run.result())
             print(json.dumps(records[-1]), flush=True)
@@ -206,7 +241,7 @@ def write_result(args: argparse.Namespace, seeds: list[int], names: list[str], r
                     if all(r["per_temperature"].get(t, {}).get(key) is not None for r in runs)}
                 for t in temps}
     result = {
-        "date": time.strftime("%Y-%m-%d"), "config": args.config, "seeds": seeds, "prompts": PROMPTS,
+        "date": time.strftime("%Y-%m-%d"), "config": args.config, "seeds": seeds, "prompts": args.prompts,
         "command": "python benchmarks/objective_ab.py " + " ".join(sys.argv[1:]),
         "recipes": recipes, "runs": records,
     }

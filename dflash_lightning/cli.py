@@ -1,4 +1,4 @@
-"""Command line: `python -m dflash_lightning fit|validate|cache|export|evaluate|regenerate ...`.
+"""Command line: `python -m dflash_lightning fit|validate|cache|export|evaluate|calibrate|regenerate ...`.
 
 Each command is a `main(argv)` in `dflash_lightning/commands/`; this file only picks one.
 """
@@ -9,11 +9,11 @@ import sys
 
 from jsonargparse import set_parsing_settings
 
-from dflash_lightning.commands import cache, evaluate, export, fit, regenerate
+from dflash_lightning.commands import cache, calibrate, evaluate, export, fit, regenerate
 from dflash_lightning.commands.fit import DFlashCLI
 
 # Commands that are not Trainer methods: name -> module with a `main(argv)`.
-TOOLS = {"cache": cache, "export": export, "evaluate": evaluate, "regenerate": regenerate}
+TOOLS = {"cache": cache, "export": export, "evaluate": evaluate, "calibrate": calibrate, "regenerate": regenerate}
 
 
 def cli_main(args: list[str] | None = None, run: bool = True) -> DFlashCLI | None:

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from dflash_lightning.config import ConfigError, DrafterConfig, _rope_settings
+from dflash_lightning.decoding.calibration import fits_for, fold, pick_temperature, read_calibration
 from dflash_lightning.hf.modeling_dflash import __all__ as REMOTE_CLASSES
 from dflash_lightning.long_runs.atomic import write_dir_atomic
 from dflash_lightning.long_runs.checkpointing import CheckpointError, load_checkpoint, nonfinite_weights
@@ -129,11 +130,11 @@ def serve_commands(folder: str | Path, cfg: DrafterConfig, target: str | None = 
     algorithm = preset.sglang_algorithm
     if algorithm is not None:
         draft = shlex.quote(str(folder))
-        commands["sglang"] = (
-            f"python -m sglang.launch_server --model-path {model} "
-            f"--speculative-algorithm {algorithm} "
-            f"--speculative-draft-model-path {draft} --speculative-{algorithm.lower()}-block-size {cfg.block_size}"
-        )
+        flags = [flag for part in preset.parts for flag in part.sglang_args(getattr(cfg, part.name))]
+        commands["sglang"] = " ".join([
+            f"python -m sglang.launch_server --model-path {model} --speculative-algorithm {algorithm}",
+            f"--speculative-draft-model-path {draft} --speculative-{algorithm.lower()}-block-size {cfg.block_size}",
+            *flags])
     return commands
 
 
@@ -173,6 +174,11 @@ def config_from_hf(raw: dict[str, Any]) -> DrafterConfig:
     if dtype is not None and dtype not in DTYPES:
         raise ConfigError(f"drafter config.json: dtype {dtype!r} is not one of {sorted(DTYPES)}")
     # a part's fields in dflash_config, else at the top level (DSpark's, section 12), the order SGLang reads them in
+    differ = [k for k in dflash if k in raw and raw[k] != dflash[k]]
+    if differ:  # each engine reads one or the other (SGLang refuses Domino's emb_dim so)
+        k = differ[0]
+        raise ConfigError(f"drafter config.json: dflash_config.{k} ({dflash[k]!r}) and the top-level {k} "
+                          f"({raw[k]!r}) differ; the engines read one or the other")
     fields = {**raw, **dflash}
     variant = variant_of_folder(raw.get("architectures"), fields, "drafter config.json")
     stated = raw.get("sample_from_anchor")  # how the engines read a folder's block layout (docs/method.md 12)
@@ -266,7 +272,22 @@ def export_checkpoint(ckpt_path: str | Path, out_dir: str | Path, dtype: DType |
     `dtype` None: the dtype the drafter was trained in (bf16-true and bf16-mixed: bfloat16), else as stored.
     """
     cfg, state, _, precision = _read_checkpoint(ckpt_path)  # config and weights checked there, once
-    return _write_checked(cfg, state, out_dir, dtype or PRECISION_DTYPES.get(str(precision)))[0]
+    return _write_checked(cfg, state, out_dir, served_dtype(cfg, dtype, precision))[0]
+
+
+def served_dtype(cfg: DrafterConfig, dtype: DType | None, precision: str | None) -> DType | None:
+    """The folder's dtype: `dtype`, else the one the drafter's parts require (`Part.folder_dtype`: Domino's bf16),
+    else the trained one; a `dtype` the parts' engines refuse is refused in one line."""
+    required = {part.folder_dtype: part for part in cfg.preset.parts if part.folder_dtype is not None}
+    if len(required) > 1:
+        raise ConfigError(f"the {cfg.variant} drafter's parts require different dtypes: {sorted(required)}")
+    if not required:
+        return dtype or PRECISION_DTYPES.get(str(precision))
+    (need, part), = required.items()
+    if dtype is not None and dtype != need:
+        raise ConfigError(f"dtype {dtype}: a {cfg.variant} drafter's folder is served only in {need} (its "
+                          f"{part.name} part's engines refuse other weights); export it with dtype {need} or none")
+    return need
 
 
 def write_folder(cfg: DrafterConfig, state: dict[str, Tensor], out_dir: str | Path, dtype: DType | None = None) -> Path:
@@ -429,18 +450,34 @@ def load_drafter(path: str | Path, target_path: str | None = None) -> DFlashDraf
     return build_drafter(cfg, state, target)
 
 
-def export(*, checkpoint: str, out: str, dtype: DType | None = None) -> Path:
+def export(*, checkpoint: str, out: str, dtype: DType | None = None, calibration: str | None = None,
+           calibration_temperature: float | None = None) -> Path:
     """Export a DFlashModule checkpoint as a Hugging Face folder for vLLM, SGLang and transformers.
 
     Args:
         checkpoint: Lightning `.ckpt` file written while training a DFlashModule.
         out: Folder to write config.json, model.safetensors and modeling_dflash.py to, all or nothing; other files
             already in it are kept, other weight files are refused.
-        dtype: Dtype of the saved weights and of config.json's `dtype`; None: the dtype the drafter was trained in.
+        dtype: Dtype of the saved weights and of config.json's `dtype`; None: the dtype the drafter was trained in (a
+            Domino drafter's: bfloat16, the only one SGLang serves it in).
+        calibration: calibration.json of `calibrate` for this drafter: its fit for the serving temperature is
+            folded into the weights (`Part.fold_calibration`; DSpark: the affine map into `confidence_head.proj`,
+            so vLLM's raw sigmoid serves the calibrated confidence).
+        calibration_temperature: The temperature the folder is served at, whose fit is folded; None: the file's
+            only one.
     """
     cfg, state, target, precision = _read_checkpoint(checkpoint)
-    folder, saved = _write_checked(cfg, state, out, dtype or PRECISION_DTYPES.get(str(precision)))
+    if calibration is not None:  # checked and folded before anything is written
+        table = read_calibration(calibration)
+        calibration_temperature = pick_temperature(table, calibration_temperature, calibration)
+        state = fold(cfg.preset.parts, state, fits_for(table, calibration_temperature, calibration), calibration)
+    elif calibration_temperature is not None:
+        raise ConfigError("--calibration_temperature without --calibration: give the calibration.json to fold")
+    folder, saved = _write_checked(cfg, state, out, served_dtype(cfg, dtype, precision))
     print(f"exported {checkpoint} -> {folder} ({saved} weights, block size {cfg.block_size})")
+    if calibration is not None:
+        print(f"folded {calibration}'s fit for temperature {calibration_temperature:g} into the weights: serve the "
+              f"folder at that temperature (the engines' own calibration files are for the unfolded weights)")
     print_serve_commands(folder, cfg, target, saved)
     return folder
 
@@ -460,6 +497,9 @@ def print_serve_commands(folder: Path, cfg: DrafterConfig, target: str | None, d
               f"  {commands['sglang']}")
     else:
         print(f"SGLang: no runtime serves this drafter (a {architecture} with its parts), so no SGLang command")
+    for part in cfg.preset.parts:
+        for note in part.serve_notes(getattr(cfg, part.name)):
+            print(note)
     if target is None:
         print("TARGET_MODEL: the target model the drafter was trained for")
     if dtype == "float32" and "sglang" in commands:
@@ -470,5 +510,5 @@ def print_serve_commands(folder: Path, cfg: DrafterConfig, target: str | None, d
 __all__ = [
     "ExportError", "build_drafter", "cast_weights", "check_state_dict", "export_checkpoint", "hf_config",
     "import_folder", "load_drafter", "print_serve_commands", "read_checkpoint", "read_drafter", "replace_folder",
-    "serve_commands", "weights_dtype", "write_config", "write_folder",
+    "serve_commands", "served_dtype", "weights_dtype", "write_config", "write_folder",
 ]

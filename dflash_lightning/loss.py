@@ -120,18 +120,24 @@ class _HeadLoss(torch.autograd.Function):
                     raw = raw + bias
             fix = parts[0].logit_correction(mine[0], h, raw) if corrects else None  # f = b + c served (Domino)
             lam = None if fix is None else torch.as_tensor(fix.base_weight, dtype=acc, device=raw.device)
+            base = base_ce = base_ids = base_lse = None
             if fix is None:
-                base = None
                 # ranked on the compute-dtype logits (bf16 under bf16-mixed): half the bytes of fp32 ones to read
                 top_ids = unary_top_k(raw, ranked) if ranked else None
                 logits = raw.to(acc)
-            else:  # b kept, f = b + c made in fp32 (c's buffer, in place) and ranked there
+                del raw
+                lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+                ce = (lse - logits.gather(1, y))[:, 0]  # [rows]
+            else:  # b kept, f = b + c made in fp32 (c's buffer, in place) and ranked there; two [rows, V] buffers,
+                # each made its softmax in place (no logsumexp temporary), later its gradient
                 base = raw.to(acc)  # [rows, V] b
+                del raw
                 logits = fix.logits.to(acc).add_(base)  # [rows, V] f
+                fix = None
                 top_ids = unary_top_k(logits, ranked) if ranked else None
-            del raw, fix
-            lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-            ce = (lse - logits.gather(1, y))[:, 0]  # [rows]
+                picked, base_picked, base_ids = logits.gather(1, y), base.gather(1, y), base.argmax(-1)
+                lse, base_lse = _softmax_(logits), _softmax_(base)
+                ce, base_ce = (lse - picked)[:, 0], (base_lse - base_picked)[:, 0]  # [rows] each
             if settings.loss_weights == "dpace":
                 supervised = (weights[start:end] > 0).view(-1, block_size)
                 w = dpace_weights(ce.view(-1, block_size), supervised, settings.dpace_alpha).flatten().to(acc)
@@ -141,23 +147,17 @@ class _HeadLoss(torch.autograd.Function):
             ce_total = ce_total + (ce * w).sum()
             if topk:
                 top.append(top_ids[:, :topk])
-            d_fix = base_ce = base_ids = None
+            d_fix = None
             if base is not None:
-                base_lse = torch.logsumexp(base, dim=-1, keepdim=True)
-                base_ce = (base_lse - base.gather(1, y))[:, 0]  # [rows]
-                base_ids = base.argmax(-1)
                 row_loss = scale * ((1 - lam) * ce + lam * base_ce)
-                # two [rows, V] buffers, each turned into its gradient in place: f -> d/dc, b -> d/db = d/dc + ...
-                d_fix, logits = logits, None
-                d_logits = base
+                # the softmaxes turned into gradients in place: f -> d/dc, b -> d/db = d/dc + lambda (softmax b - 1)
+                d_fix, d_logits, logits, base = logits, base, None, None
                 if scale == 0:
                     d_fix.zero_()
                     d_logits.zero_()
                 else:
-                    d_fix.sub_(lse).exp_().scatter_add_(1, y, torch.full_like(lse, -1.0)).mul_(scale * (1 - lam))
-                    d_logits.sub_(base_lse).exp_().scatter_add_(1, y, torch.full_like(lse, -1.0))
-                    d_logits.mul_(scale * lam).add_(d_fix)
-                del base
+                    d_fix.scatter_add_(1, y, torch.full_like(lse, -1.0)).mul_(scale * (1 - lam))
+                    d_logits.scatter_add_(1, y, torch.full_like(lse, -1.0)).mul_(scale * lam).add_(d_fix)
             elif scale == 0:  # the loop's own objective is not wanted: the parts' terms start from zero
                 row_loss = torch.zeros_like(ce)
                 d_logits = torch.zeros_like(logits) if parts else None
@@ -214,6 +214,7 @@ class _HeadLoss(torch.autograd.Function):
                 grad[start:end] = g.to(grad.dtype)
             else:
                 grad[start:end] = (grad_rows if g is None else g.to(grad_rows.dtype) + grad_rows).to(grad.dtype)
+            logits = d_logits = probs = None  # this chunk's [rows, V] buffers, freed before the next chunk's are made
         top_ids = torch.cat(top) if topk else labels.new_empty(n, 0)
         out_rows = [torch.cat(r) for kept in part_out for r in kept]
         kept_inputs = [g for g in input_grads if g is not None]
@@ -236,6 +237,14 @@ class _HeadLoss(torch.autograd.Function):
                   for need, dtype in zip(ctx.needs, ctx.input_dtypes, strict=True)]
         params = [(g * scale).to(dtype) for g, dtype in zip(part_grads, ctx.param_dtypes, strict=True)]
         return (*out, *inputs, *params)
+
+
+def _softmax_(logits: Tensor) -> Tensor:
+    """Turn rows of `logits [R, V]` into their softmax IN PLACE; their logsumexp `[R, 1]`."""
+    top = logits.amax(-1, keepdim=True)
+    total = logits.sub_(top).exp_().sum(-1, keepdim=True)
+    logits.div_(total)
+    return top + total.log()
 
 
 def _corrects(part: Part) -> bool:

@@ -212,6 +212,7 @@ class DFlashModule(LightningModule):
         self._first_step = 0  # global step at which nonfinite_counts started counting
         self._recent_batches: deque[tuple[int, Tensor]] = deque(maxlen=4 * metrics_every)  # (step, sample ids)
         self._last_loss: Tensor | None = None
+        self._total_steps: float | None = None  # the Trainer's, once the optimizer is configured
 
     def configure_model(self) -> None:
         """Build the drafter, attach the target's frozen embedding and head, make buffers, compile."""
@@ -340,6 +341,9 @@ class DFlashModule(LightningModule):
         measure = batch_idx % self.hparams.metrics_every == 0
         if "sample_ids" in batch:  # kept (on the device, no copy) to name a bad batch's records later
             self._recent_batches.append((self.trainer.global_step, batch["sample_ids"]))
+        trainer = compat.attached_trainer(self)
+        for part in self.drafter.parts:  # what changes over the run (a curriculum), as device tensors in place
+            part.set_step(trainer.global_step if trainer is not None else 0, self._total_steps)
         out = self.step(batch, max(self.hparams.topk) if measure else 0, self.anchor_generator(batch, batch_idx))
         self._last_loss = out.loss.detach()
         if measure:  # logging only here keeps host syncs off the other steps
@@ -475,6 +479,11 @@ class DFlashModule(LightningModule):
         )
         estimate = self.trainer.estimated_stepping_batches
         self.check_parts(float(estimate))
+        if not math.isfinite(estimate):  # int(inf) would end the run in an OverflowError
+            raise ConfigError("trainer.max_steps: the run has no end (max_steps -1, max_epochs -1 or unset), and the "
+                              "learning rate's warmup and cosine decay are fractions of its total steps; set "
+                              "trainer.max_steps or trainer.max_epochs")
+        self._total_steps = float(estimate)
         total = max(1, int(estimate))
         warmup = int(hp.warmup_ratio * total)
 

@@ -79,3 +79,36 @@ def one_thread():
 def tiny_target(tmp_path_factory) -> Path:
     """Path of a session-wide tiny random Qwen3 target."""
     return make_target(tmp_path_factory.mktemp("target"))
+
+
+# ------------------------------------------------------------------------------- the version sets' subset
+# CI's minimum and newest parts run `pytest -m "not pinned_only"` (docs/versions.md, "Which tests run on which
+# set"). A test may be marked pinned_only for one of three reasons, named in the mark and checked here:
+#   pinned_only("reference"): it holds our own arithmetic or logic against a reference written in the test,
+#       calling libraries for tensor operations in eager mode only;
+#   pinned_only("tool"): it runs a script of benchmarks/ or tools/, which we run on the pinned set ourselves;
+#   pinned_only(same_path_as="tests/test_x.py::test_y[param]"): it repeats, under a setting only our own code
+#       reads or a fault our own code handles, the calls into the libraries of the named test, which runs on
+#       every set.
+PINNED_ONLY_REASONS = ("reference", "tool")
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects any
+def pytest_collection_modifyitems(config, items):
+    """Refuse a pinned_only mark without one of its reasons; on the whole suite, also one naming a test that is not
+    collected or is pinned_only itself."""
+    whole = config.args_source is pytest.Config.ArgsSource.TESTPATHS
+    by_id = {item.nodeid: item for item in items}
+    for item in items:
+        for mark in item.iter_markers("pinned_only"):  # a parametrized test may carry one per parameter
+            args, kwargs = mark.args, mark.kwargs
+            if not ((len(args) == 1 and args[0] in PINNED_ONLY_REASONS and not kwargs)
+                    or (not args and list(kwargs) == ["same_path_as"])):
+                raise pytest.UsageError(f"{item.nodeid}: pinned_only takes one of {PINNED_ONLY_REASONS} or "
+                                        f"same_path_as=<a test's id>, not {args} {kwargs}")
+            like = kwargs.get("same_path_as")
+            if like is not None and whole:
+                other = by_id.get(like)
+                if other is None or other.get_closest_marker("pinned_only") is not None:
+                    raise pytest.UsageError(f"{item.nodeid}: pinned_only(same_path_as={like!r}) names a test that "
+                                            f"is {'not collected' if other is None else 'pinned_only itself'}")

@@ -8,7 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).parents[1]
+pytestmark = pytest.mark.pinned_only("tool")  # the benchmarks are ours to run, on the pinned set
 
 
 def test_scaling_bench_cpu_smoke_writes_one_json_line(tmp_path):
@@ -62,6 +65,16 @@ def test_objective_ab_run_config_moves_every_output_and_sets_the_recipe(tmp_path
     assert cfg["model"]["drafter"] == {**base["model"]["drafter"], "variant": "dflash2"}
     cfg = run_config(base, tmp_path / "run", 0, RECIPES["xpress-prev0-anchor"])  # a part's setting, nested
     assert cfg["model"]["drafter"]["xpress"] == {"prev0": "anchor"} and cfg["model"]["loss_weights"] == "decay"
+    cfg = run_config(base, tmp_path / "run", 0, RECIPES["domino"])  # the ranking's recipe makes a valid module
+    from dflash_lightning.config import DrafterConfig
+    from dflash_lightning.module import DFlashModule
+    from dflash_lightning.parts.domino import DominoSettings
+
+    model = dict(cfg["model"])
+    drafter = model.pop("drafter")
+    assert drafter["variant"] == "domino" and drafter["domino"] == {"gru_hidden_dim": 32, "emb_dim": 8}
+    DFlashModule(str(ROOT / cfg["target"]["path"]), DrafterConfig(**{**drafter, "domino": DominoSettings(
+        **drafter["domino"])}), **model)
 
 
 def test_step_bench_diagnostics_report_steps_settings_and_where_a_stage_stalled():

@@ -88,6 +88,7 @@ def test_sharded_target_gives_each_rank_the_features_of_its_own_batch(tiny_targe
     assert out[0][1] + out[1][1] == total
 
 
+DDP_FIT = "tests/test_distributed.py::test_two_process_ddp_fit_through_the_cli"
 # variants beside the tiny default's DFlash2: parts that read the target's final hidden state in both placements
 VARIANT_ARGS = {
     "dflash2": [],
@@ -98,7 +99,8 @@ VARIANT_ARGS = {
 
 
 @pytest.mark.parametrize(("placement", "variant"), [("sharded", "dflash2"), ("separate", "lilicorr-conv"),
-                                                    ("sharded", "dspark")])
+                                                    pytest.param("sharded", "dspark", marks=pytest.mark.pinned_only(
+                                                        same_path_as=f"{DDP_FIT}[sharded-dflash2]"))])
 def test_two_process_ddp_fit_through_the_cli(tmp_path, placement, variant):
     """`--trainer.strategy=ddp --trainer.devices=2` on the CPU (gloo) runs the tiny config to the end.
 
@@ -112,7 +114,8 @@ def test_two_process_ddp_fit_through_the_cli(tmp_path, placement, variant):
     root = Path(__file__).parents[1]
     cmd = [sys.executable, "-m", "dflash_lightning", "fit", "--config", "configs/tiny.yaml",
            "--trainer.strategy=ddp", "--trainer.devices=2", "--trainer.max_steps=3", "--model.metrics_every=1",
-           "--trainer.log_every_n_steps=1", f"--target.placement={placement}", "--target.target_devices=[cpu,cpu]",
+           "--trainer.log_every_n_steps=1", f"--target.placement={placement}",
+           *(["--target.target_devices=[cpu,cpu]"] if placement == "separate" else []),  # read by 'separate' only
            f"--trainer.default_root_dir={tmp_path}", "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
            f"--trainer.logger.save_dir={tmp_path}", "--trainer.callbacks=[]", "--spec_eval.every_n_steps=0",
            *VARIANT_ARGS[variant]]

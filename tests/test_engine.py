@@ -134,6 +134,7 @@ def test_serve_command_asks_for_each_layer_id_plus_one_and_the_last_residual():
     assert "--no-enable-prefix-caching" in cmd and "--no-enable-chunked-prefill" in cmd
 
 
+@pytest.mark.pinned_only(same_path_as="tests/test_faults.py::test_a_fit_that_skipped_most_of_its_steps_fails_in_one_line")
 def test_fit_whose_engine_dies_exits_1_with_one_line_naming_it(tmp_path):
     """`fit` starts the engine from target.engine_command, trains on it, and when it dies mid-run retries until the
     deadline, then stops with exit 1 and one error line naming the engine."""
@@ -156,6 +157,7 @@ def test_fit_whose_engine_dies_exits_1_with_one_line_naming_it(tmp_path):
     assert (tmp_path / "engine.log").read_text().startswith(f"$ {command}")
 
 
+@pytest.mark.pinned_only(same_path_as="tests/test_resume.py::test_resumed_losses_equal_an_uninterrupted_run_bitwise")
 def test_a_fit_fed_by_an_engine_resumes_mid_epoch_exactly(fake, tmp_path):
     """Rows are fetched ahead of the trainer, yet a run stopped after 3 steps (mid-epoch: 5 rows an epoch) and
     resumed from that checkpoint trains the same rows in the same order: the same losses, bitwise."""
@@ -171,6 +173,8 @@ def test_a_fit_fed_by_an_engine_resumes_mid_epoch_exactly(fake, tmp_path):
     assert resumed == full[3:]
 
 
+@pytest.mark.pinned_only(
+    same_path_as="tests/test_faults.py::test_last_is_the_newest_step_after_two_preemptions_and_resumes[tiny]")
 def test_a_preempted_fit_fed_by_an_engine_resumes_to_the_same_weights(fake, tmp_path):
     """SIGTERM in step 4 (mid-epoch, rows fetched ahead): the preemption checkpoint is written and the restarted
     command ends at step 8 with the weights of an uninterrupted run, bitwise."""
@@ -204,6 +208,8 @@ class _Factory:
         return path
 
 
+@pytest.mark.pinned_only(  # the engines are ours (HTTP), the DDP fit Lightning's, as there
+    same_path_as="tests/test_distributed.py::test_two_process_ddp_fit_through_the_cli[sharded-dflash2]")
 def test_two_ddp_ranks_use_an_engine_each(tmp_path):
     """`--trainer.strategy=ddp --trainer.devices=2` (gloo) fed by 2 engines, one per rank. Ranks share engines by the
     same dealing (`rank_devices`, as target devices: tests/test_target.py); one run costs a minute here."""

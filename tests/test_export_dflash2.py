@@ -97,7 +97,7 @@ def test_serve_commands_fit_a_dflash2_folder(drafter, folder):
     (lambda c: c.update(architectures=["DFlashDraftModel"]),
      r"DFlashDraftModel has field\(s\) dflash_config\.conv_kernel_size"),
     (lambda c: c.update(architectures=["Qwen3ForCausalLM"]), r"architectures \['Qwen3ForCausalLM'\] is not one of"),
-    (lambda c: c["dflash_config"].update(conv_group_size=7), r"conv_group_size \(7\) must .* divide hidden_size"),
+    (lambda c: c["dflash_config"].update(conv_group_size=7), r"conv_group_size \(7\) must divide hidden_size"),
     (lambda c: c["dflash_config"].update(selector_top_k="4"), r"dflash_config\.selector_top_k must be an integer"),
 ])
 def test_inconsistent_dflash2_folder_is_refused(folder, tmp_path, edit, message):

@@ -471,3 +471,16 @@ def test_a_cache_written_for_xpress_holds_the_final_hidden_state_and_trains_it_o
     its config by default, a fit reads them, a cache without them is refused naming the flag."""
     cli = check_cache_trains_a_part_offline(setup, tmp_path, XPRESS_ARGS)
     assert cli.model.drafter.xpress_head.mix.L.abs().sum() > 0  # the refiner trained (its mixer starts at 0)
+
+
+def test_domino_trains_from_a_cache_without_the_final_hidden_states(setup, tmp_path):
+    """Domino reads the target's embedding and no final hidden state: a 2-step fit from the plain bf16 cache through
+    the CLI, its curriculum over the Trainer's real total (lambda 1, then 0.5 at the second step)."""
+    from dflash_lightning.cli import cli_main
+
+    cli = cli_main(["fit", "--config", setup["config"], f"--data.feature_cache={setup['root'] / 'bf16'}",
+                    "--model.drafter.variant=domino", "--model.loss_weights=decay", "--model.metrics_every=1",
+                    "--model.drafter.domino.gru_hidden_dim=8", "--model.drafter.domino.emb_dim=4",
+                    "--trainer.max_steps=2", "--trainer.limit_val_batches=0", f"--trainer.default_root_dir={tmp_path}"])
+    assert cli.trainer.global_step == 2 and not cli.model.needs_final_hidden
+    assert cli.trainer.callback_metrics["train/domino/lambda"].item() == 0.5

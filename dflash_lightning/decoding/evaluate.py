@@ -19,7 +19,7 @@ from torch import nn
 from dflash_lightning.decoding.speculative import SpeculativeDecoder
 from dflash_lightning.hf.modeling_dflash import check_sampling
 from dflash_lightning.model import DFlashDrafter
-from dflash_lightning.parts.base import Part
+from dflash_lightning.parts.base import Part, ServedSettings
 
 
 def prompt_ids(tokenizer: Any, row: dict[str, Any], enable_thinking: bool = False) -> list[int]:
@@ -65,6 +65,8 @@ def evaluate(
     top_p: float = 1.0,
     top_k: int = 0,
     seed: int = 0,
+    baseline: bool = True,
+    served: ServedSettings | None = None,
 ) -> dict[str, Any]:
     """Speculative and target-only decoding of every prompt (greedy at temperature 0, else sampled with top-p and
     top-k); the report of `summarize` and the sampling settings.
@@ -72,6 +74,8 @@ def evaluate(
     The drafter must sit on the target's device with its embedding and head attached (or it takes the
     target's). `prompts` are rows with `messages` or `prompt` and an optional `category`. Prompt i samples from
     its own random stream `prompt_seed(seed, i)`, so a report is reproduced by its seed, prompt by prompt.
+    `baseline` false skips the target alone (no speedup, no mismatch count: `calibrate` needs only the served
+    blocks); `served`: what the parts' served reports are given (a cost model, a calibration).
     """
     check_sampling(temperature, top_p, top_k)
     sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k)
@@ -85,7 +89,8 @@ def evaluate(
     encoded = [torch.tensor(prompt_ids(tokenizer, row, enable_thinking), device=device) for row in prompts]
     if warmup and encoded:  # first calls pay for kernel selection and allocation, not decoding
         decoder.generate(encoded[0], min(8, max_new_tokens), stop, **sampling)
-        decoder.target_generate(encoded[0], min(8, max_new_tokens), stop, **sampling)
+        if baseline:
+            decoder.target_generate(encoded[0], min(8, max_new_tokens), stop, **sampling)
     records = []
     label = f"temperature {temperature:g}: speculative decoding" if temperature else "speculative decoding"
     with _progress(progress) as bar:
@@ -94,25 +99,39 @@ def evaluate(
             spec = decoder.generate(ids, max_new_tokens, stop, **sampling,
                                     generator=_generator(device, prompt_seed(seed, i)) if temperature else None)
             base = decoder.target_generate(ids, max_new_tokens, stop, **sampling,
-                                           generator=_generator(device, prompt_seed(seed, i)) if temperature else None)
+                                           generator=_generator(device, prompt_seed(seed, i)) if temperature else None
+                                           ) if baseline else None
             records.append({
                 "category": row.get("category"), "prompt_tokens": int(ids.numel()), "new_tokens": len(spec.tokens),
                 "steps": spec.steps, "accepted_lengths": spec.accepted_lengths, "step_tokens": spec.step_tokens,
+                "verified_lengths": verified_lengths(spec.accepted_lengths, decoder.drafts, max_new_tokens),
                 "expected_accepted": spec.expected_accepted, "extras": spec.extras,
                 # sampled outputs differ from the target's own samples by design; only greedy ones must be equal
-                "first_mismatch": first_mismatch(spec.tokens, base.tokens) if temperature == 0 else None,
-                "speculative_seconds": spec.seconds, "target_seconds": base.seconds,
+                "first_mismatch": (first_mismatch(spec.tokens, base.tokens)
+                                   if temperature == 0 and base is not None else None),
+                "speculative_seconds": spec.seconds, "target_seconds": base.seconds if base is not None else None,
             })
             tau = pooled_tau(records)
             bar.update(task, advance=1, description=f"{label}, tau {tau or 0:.2f}")
     drafter.train(modes[0]), target_model.train(modes[1])
-    return {**summarize(records, drafter.config.block_size, max_new_tokens, greedy=temperature == 0,
-                        drafts=decoder.drafts, parts=drafter.config.preset.parts), **sampling, "seed": seed}
+    return {**summarize(records, drafter.config.block_size, max_new_tokens, greedy=temperature == 0 and baseline,
+                        drafts=decoder.drafts, parts=drafter.config.preset.parts, served=served), **sampling,
+            "seed": seed}
 
 
 def prompt_seed(seed: int, index: int) -> int:
     """The seed of prompt `index`'s random stream in a report of seed `seed` (distinct for every pair)."""
     return seed * 1_000_003 + index
+
+
+def verified_lengths(accepted: list[int], drafts: int, max_new_tokens: int) -> list[int]:
+    """Drafts each step verified (`SpeculativeDecoder.generate`): all `drafts` of the block but where the tokens
+    still wanted cut the last step short (a step after t tokens verifies max_new_tokens - t - 1 at most)."""
+    out, made = [], 1  # the prefill made the first token
+    for a in accepted:
+        out.append(max(0, min(drafts, max_new_tokens - made - 1)))
+        made += a + 1
+    return out
 
 
 def first_mismatch(a: list[int], b: list[int]) -> int | None:
@@ -129,7 +148,8 @@ def pooled_tau(records: list[dict[str, Any]]) -> float | None:
 
 
 def summarize(records: list[dict[str, Any]], block_size: int, max_new_tokens: int, greedy: bool = True,
-              drafts: int | None = None, parts: Sequence[type[Part]] = ()) -> dict[str, Any]:
+              drafts: int | None = None, parts: Sequence[type[Part]] = (), served: ServedSettings | None = None
+              ) -> dict[str, Any]:
     """tau, acceptance histogram, per-slot acceptance, per-category tau, speedup and mismatches of per-prompt runs.
 
     tau counts per docs/method.md section 6 (`step_tokens`: a + 1 per step, the last step only up to the stop token or
@@ -142,15 +162,17 @@ def summarize(records: list[dict[str, Any]], block_size: int, max_new_tokens: in
     count's expectation, without its noise, when sampling; it counts the last step whole (its tokens past a stop
     cannot be told apart in expectation), so it can exceed `tau_pooled` by that step's share. Mismatches with the
     target alone are counted for greedy runs only (None when sampled). `drafts`: drafts a block (None: B - 1; DSpark's
-    anchor-first block drafts B). Each of the drafter's `parts` adds its served report (`Part.served_report`: DSpark's
-    adaptive verification and calibration of its confidences).
+    anchor-first block drafts B). Each of the drafter's `parts` adds its served report (`Part.served_report` with
+    `served`: DSpark's adaptive verification and calibration of its confidences). Records without the target alone
+    (`target_seconds` None) give no speedup.
     """
     drafts = block_size - 1 if drafts is None else drafts
     accepted = [a for r in records for a in r["accepted_lengths"]]
     histogram = [accepted.count(a) for a in range(drafts + 1)]
     steps = len(accepted)
     spec_s = sum(r["speculative_seconds"] for r in records)
-    target_s = sum(r["target_seconds"] for r in records)
+    timed = [r["target_seconds"] for r in records]
+    target_s = None if None in timed else sum(timed)
     records = [{**r, "tau": pooled_tau([r])} for r in records]  # each prompt's own tau
 
     def taus(rs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -177,9 +199,9 @@ def summarize(records: list[dict[str, Any]], block_size: int, max_new_tokens: in
         "slot_acceptance": [sum(a >= k for a in accepted) / steps if steps else None for k in range(1, drafts + 1)],
         "speculative_seconds": spec_s,
         "target_seconds": target_s,
-        "speedup": target_s / spec_s if spec_s > 0 else None,
+        "speedup": target_s / spec_s if spec_s > 0 and target_s is not None else None,
         "per_category": {c: taus([r for r in records if r["category"] == c]) for c in categories},
-        **{key: value for part in parts for key, value in part.served_report(records).items()},
+        **{key: value for part in parts for key, value in part.served_report(records, served).items()},
         "prompts": records,
     }
 
@@ -203,7 +225,7 @@ def print_summary(runs: list[dict[str, Any]]) -> None:
         mismatches = "-" if run["mismatches"] is None else str(run["mismatches"])
         table.add_row(f"{run['temperature']:g}", str(run["num_prompts"]), "all", fmt(run["tau_pooled"]),
                       fmt(run["tau_prompt_mean"]), fmt(run["expected_tau_pooled"]), fmt(run["tokens_per_step"]),
-                      fmt(run["speedup"], ".2f") + "x", mismatches)
+                      "-" if run["speedup"] is None else f"{run['speedup']:.2f}x", mismatches)
         for name, c in run["per_category"].items():
             table.add_row("", str(c["num_prompts"]), name, fmt(c["tau_pooled"]), fmt(c["tau_prompt_mean"]),
                           fmt(c["expected_tau_pooled"]), fmt(c["tokens_per_step"]), "", "")
@@ -264,5 +286,5 @@ def _progress(enabled: bool):
 
 __all__ = [
     "evaluate", "parse_temperatures", "pooled_tau", "print_summary", "prompt_ids", "prompt_seed", "read_prompts",
-    "summarize",
+    "summarize", "verified_lengths",
 ]

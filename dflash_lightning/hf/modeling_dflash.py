@@ -258,6 +258,10 @@ class DFlashDraftModel(PreTrainedModel):
     def __init__(self, config: Qwen3Config) -> None:
         super().__init__(config)
         dflash = getattr(config, "dflash_config", None) or {}
+        projector = dflash.get("projector_type", getattr(config, "projector_type", None))
+        if projector is not None:  # a drafter whose logits a projector corrects, on another block layout
+            raise ValueError(f"dflash_config.projector_type {projector!r}: this file builds plain DFlash drafters, "
+                             "not this one (SGLang serves a Domino folder; dflash_lightning evaluates it)")
         self.target_layer_ids = list(dflash["target_layer_ids"])
         self.mask_token_id = int(dflash["mask_token_id"])
         self.block_size = int(config.block_size)

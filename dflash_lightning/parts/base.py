@@ -22,7 +22,10 @@ How a new part plugs in:
    it, with what the chunks returned) ->
    the module logs `PartOutput.logs` every `metrics_every` steps and feeds `PartOutput.rows` to `metric()`.
    Decoding calls `draft` (the one part of a preset with `decodes = True`; else each slot's argmax), which returns
-   a `Draft` (tokens, q, extras); `evaluate` calls every part's `served_report` with the served records.
+   a `Draft` (tokens, q, extras); `evaluate` calls every part's `served_report` with the served records and the
+   `ServedSettings` (a cost model of a step, the calibration fitted for the temperature); `calibrate` calls
+   `calibrate` with served records of prompts apart from the evaluation's, and export folds what it fitted into the
+   weights (`fold_calibration`).
    Export writes `export_fields` and `top_level_fields`, import reads them with `read_fields`; warm start loads
    the weights the part `owns` only when the source has the part too.
 5. `tests/test_contract.py`: its small settings in `TINY`; the contract test runs it and its presets through all of
@@ -152,7 +155,8 @@ class ChunkResult:
     """Its weighted term over the rows, sum(w * term) times its loss weight: joins the objective's sum (divided by the
     step's denominator, `Part.loss_denominator`)."""
     logged: Tensor | None = None
-    """A 0-dim sum over the rows to report (divided by the step's denominator like the loss): `HeadOutput.logged`."""
+    """A 0-dim sum over the rows to report, or a few such sums stacked `[n]` (divided by the step's denominator like
+    the loss): `HeadOutput.logged`."""
     grad_hidden: Tensor | None = None
     """d loss / d hidden of the rows from paths that skip the head's matmul (weighted).  # [R, H]"""
     grad_inputs: tuple[Tensor | None, ...] = ()
@@ -226,6 +230,55 @@ class Draft:
 
 
 @dataclass(frozen=True)
+class VerifyCost:
+    """The cost of one decode step that an engine's adaptive verification weighs (docs/dspark.md): drafting a block,
+    then one target forward over the last token and the n drafts admitted, `draft + 1 + per_token * n`, in target
+    forwards of one token. vLLM profiles these costs when it starts, SGLang reads them from its
+    `--speculative-dspark-sps-table-path`; `evaluate` simulates their rule under this model."""
+
+    draft: float = 0.1
+    """The drafter's forward for one block, in target forwards of one token."""
+    per_token: float = 0.05
+    """What each draft verified adds to the target's forward, in target forwards of one token (about 0 for one
+    request on a GPU, larger as the batch fills it)."""
+
+    def __post_init__(self) -> None:
+        for name in ("draft", "per_token"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and 0 <= value < float("inf")):
+                raise ConfigError(f"verify_cost.{name} must be a finite number >= 0, got {value!r}")
+
+    def step(self, drafts: int) -> float:
+        """The cost of a step that verifies `drafts` drafts."""
+        return self.draft + 1.0 + self.per_token * drafts
+
+
+@dataclass(frozen=True)
+class ServedSettings:
+    """What `evaluate` hands a part's `served_report` besides the served records."""
+
+    cost: VerifyCost = field(default_factory=VerifyCost)
+    """The step's cost model of adaptive verification."""
+    calibration: dict[str, Any] | None = None
+    """What `calibrate` fitted for this serving temperature, by part name (`Calibration.fit`); None: none given."""
+
+
+@dataclass
+class Calibration:
+    """What a part's `calibrate` fitted on the served blocks of one serving temperature."""
+
+    fit: dict[str, Any]
+    """JSON values that `fold_calibration` folds into the weights (export) and `served_report` applies (evaluate)."""
+    report: dict[str, Any]
+    """Measures on the calibration blocks before and after, for calibration.json."""
+    files: dict[str, str] = field(default_factory=dict)
+    """Files to write beside calibration.json, name -> text (DSpark: SGLang's per-slot temperatures, sts.json); the
+    command puts the temperature in each name (sts-T1.json)."""
+    lines: list[str] = field(default_factory=list)
+    """What the command prints of it, one line each."""
+
+
+@dataclass(frozen=True)
 class RunSettings:
     """What a part's `check_run` sees of the run that trains it."""
 
@@ -280,6 +333,9 @@ class Part(nn.Module):
     """Whether training reads the target's final hidden states (`TrainInputs.final_hidden`)."""
     decodes: ClassVar[bool] = False
     """Whether the part replaces each slot's argmax by its own drafting rule (`draft`); one such part a preset."""
+    samples: ClassVar[bool] = True
+    """Whether its drafting rule samples above temperature 0 (a `Draft.q`); False: point masses at every temperature
+    (Domino: no engine samples its drafts), verified as docs/method.md 6b says."""
     head_rows: ClassVar[int] = 0
     """How many per-row tensors `head_chunk` returns in `ChunkResult.rows`."""
     metric_prefix: ClassVar[str | None] = None
@@ -287,6 +343,9 @@ class Part(nn.Module):
     `name`."""
     top_k: int = 0
     """Unary candidates per row the part reads from the head loop (`HeadChunk.top_ids`); 0: none."""
+    folder_dtype: ClassVar[str | None] = None
+    """The weights' dtype every engine that serves the part requires (Domino: bfloat16, SGLang's): `export` writes it
+    when no dtype is given and refuses another in one line; None: any."""
 
     def __init__(self, config: Any) -> None:
         """`config` is the resolved DrafterConfig; the part's settings are `getattr(config, self.name)`."""
@@ -324,6 +383,12 @@ class Part(nn.Module):
         return cls.weight_prefix is not None and key.startswith(cls.weight_prefix + ".")
 
     # --- training
+    def set_step(self, step: int, total_steps: float | None) -> None:
+        """Before each training step's forward: the optimizer steps done (0 at the first) and the run's total
+        (`RunSettings.total_steps`; None outside a fit). A part whose training changes over the run (Domino's lambda)
+        updates its own 0-dim device tensors here in place, never Python values a compiled graph would bake in.
+        Nothing by default."""
+
     def compile_hooks(self, mode: str | None = None) -> None:
         """Compile the part's own training work in place at fixed shapes (`model.compile`; the head loop, and the
         modules it adds to the layers, are compiled with the backbone's); nothing by default."""
@@ -391,13 +456,26 @@ class Part(nn.Module):
         docs/method.md 6b and 10) and the part's extras. Only for parts with `decodes = True`."""
         raise NotImplementedError
 
-    # --- the served report
+    # --- the served report and calibration
     @classmethod
-    def served_report(cls, records: list[dict[str, Any]]) -> dict[str, Any]:
+    def served_report(cls, records: list[dict[str, Any]], settings: ServedSettings | None = None) -> dict[str, Any]:
         """Keys the part adds to `evaluate`'s report of one temperature, from its served records (per prompt:
-        `accepted_lengths`, the accepted drafts of each step; `extras`, `{name: one list per step}` of the part's
-        `Draft.extras`; `step_tokens`, `expected_accepted`, ...); nothing by default."""
+        `accepted_lengths`, the accepted drafts of each step; `verified_lengths`, the drafts each step verified;
+        `extras`, `{name: one list per step}` of the part's `Draft.extras`; `step_tokens`, ...) and the
+        `settings` (None: the defaults); nothing by default."""
         return {}
+
+    @classmethod
+    def calibrate(cls, records: list[dict[str, Any]], state: dict[str, Tensor]) -> Calibration | None:
+        """What the part fits on served records of one temperature (prompts apart from the evaluation's) for the
+        drafter's weights `state`; None: the part has nothing to calibrate (the default)."""
+        return None
+
+    @classmethod
+    def fold_calibration(cls, state: dict[str, Tensor], fit: dict[str, Any], source: str) -> dict[str, Tensor]:
+        """The weights with the part's `Calibration.fit` folded in (export), refusing in one ConfigError line naming
+        `source` a fit made for other weights; only for parts whose `calibrate` fits something."""
+        raise ConfigError(f"{source}: {cls.__name__} has no calibration to fold")
 
     # --- export and import
     @classmethod
@@ -427,6 +505,17 @@ class Part(nn.Module):
         return None
 
     @classmethod
+    def sglang_args(cls, settings: Any) -> list[str]:
+        """Flags the part adds to SGLang's launch command in the serve command `export` prints; none by default."""
+        return []
+
+    @classmethod
+    def serve_notes(cls, settings: Any) -> list[str]:
+        """Lines `export` prints after the serve commands: what an engine does with the part's folder that a user
+        must know (Domino: that vLLM has no runtime for it); none by default."""
+        return []
+
+    @classmethod
     def present_fields(cls, dflash: dict[str, Any]) -> list[str]:
         """The part's `dflash_config` keys a folder's config holds."""
         return [key for key in cls.config_fields if dflash.get(key) is not None]
@@ -449,5 +538,10 @@ class Part(nn.Module):
         return cls.settings_type(**values)
 
 
-__all__ = ["ChunkResult", "Correction", "Draft", "DraftInputs", "HeadChunk", "HeadOutput", "Part", "PartOutput",
-           "RunSettings", "TrainInputs"]
+def calibrates(part: type[Part]) -> bool:
+    """Whether a part fits a calibration (overrides `Part.calibrate`)."""
+    return part.calibrate.__func__ is not Part.calibrate.__func__
+
+
+__all__ = ["Calibration", "ChunkResult", "Correction", "Draft", "DraftInputs", "HeadChunk", "HeadOutput", "Part",
+           "PartOutput", "RunSettings", "ServedSettings", "TrainInputs", "VerifyCost", "calibrates"]

@@ -4,13 +4,17 @@ verification, on an anchor-first block (every slot k predicts p + k + 1: `ANCHOR
 `z_k = head(h_k) + markov_w2(markov_w1[prev_k])`, `c_k = sigmoid(proj([h_k; markov_w1[prev_k]]))`. Training is
 teacher-forced (prev_k the true token at p + k) inside the chunked head loop: 0.1 CE + 0.9 L1 to the target's
 distribution + 1.0 BCE of c against 1 - TV, with hand-made gradients of the heads' weights; decoding feeds the
-Markov head the drafted token, greedy or sampled from softmax(z / T).
+Markov head the drafted token, greedy or sampled from softmax(z / T). On served blocks (docs/dspark.md): the
+paper's survival measures, the engines' adaptive verification simulated, and the calibration `calibrate` fits
+(SGLang's per-slot temperatures, an affine map export folds into `confidence_head.proj` for vLLM).
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+import json
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -22,6 +26,7 @@ from torchmetrics import Metric
 from dflash_lightning.blocks import BlockLayout
 from dflash_lightning.errors import ConfigError
 from dflash_lightning.parts.base import (
+    Calibration,
     ChunkResult,
     Draft,
     DraftInputs,
@@ -30,14 +35,25 @@ from dflash_lightning.parts.base import (
     Part,
     PartOutput,
     RunSettings,
+    ServedSettings,
     TrainInputs,
+    VerifyCost,
 )
 
 ECE_BINS = 10
-"""Equal-width confidence bins of the expected calibration error (in training, and on served blocks)."""
-ADAPTIVE_THRESHOLDS = (0.3, 0.5, 0.7, 0.9)
-"""Survival thresholds of the served adaptive-verification report: a draft is verified while a_k = prod c_i is at or
-above."""
+"""Equal-width confidence bins of the ECE of c_k: in training (against 1 - TV), and on served blocks against the
+acceptance of the drafts reached (`served_calibration`)."""
+SURVIVAL_BINS = 20
+"""Equal-width bins of the ECE of the survival a_k against the prefix's acceptance, as DeepSpec's evaluator and the
+paper count it (`survival_calibration`)."""
+ENGINE_LAGS = {"vllm": 1, "sglang": 2}
+"""How many steps old the confidences are that each engine sizes the verified prefix by: vLLM 0.34 reads the copy of
+the previous step's (adaptive_verification.py), SGLang 0.5.23 those of two steps back (dspark_planner.py,
+SGLANG_DSPARK_CONFIDENCE_RELAY_LAG_STEPS 2)."""
+ENGINE_FLOORS = {"vllm": 0.0, "sglang": 1e-6}
+"""Survivals below which an engine never admits a draft (SGLang's DSparkScheduleConfig.survival_eps)."""
+STS_GRID = tuple(math.exp(math.log(0.05) + i * (math.log(20.0) - math.log(0.05)) / 240) for i in range(241))
+"""Candidate per-slot temperatures of the sequential temperature scaling (0.05 to 20, geometric)."""
 ANCHOR_FIRST = BlockLayout(anchor_first=True, gamma=4.0)
 """Section 12's block: every slot k = 0..B-1 predicts p + k + 1 and drafts (B drafts a block); w_k = exp(-k / 4)
 unless gamma is set (DeepSpec's loss_decay_gamma)."""
@@ -236,7 +252,8 @@ class DSparkHeads(Part):
     def draft(self, inputs: DraftInputs) -> Draft:
         """Drafts of the block's slots in order, the Markov head fed the token drafted at the slot before (slot 0:
         x): greedy argmax z_k, or sampled from q_k = softmax(z_k / T) (returned, `[n, V]`); extras
-        `{"confidence": c_k}` of every slot along the drafts `[n]`."""
+        `{"confidence": c_k, "confidence_logit": proj(...)}` of every slot along the drafts `[n]` (the logit is what
+        a calibration maps: c near 1 loses it in fp32)."""
         hidden, logits, temperature = inputs.hidden, inputs.logits, inputs.temperature
         n = hidden.shape[0]
         prev, picks = inputs.first_prev.reshape(1), []
@@ -245,25 +262,93 @@ class DSparkHeads(Part):
         for k in range(n):
             z = logits[k].float() + self.markov_head(prev, torch.float32)[0]  # [V]
             markov = self._markov_rows(prev)
-            conf.append(torch.sigmoid(self.confidence_head(hidden[k : k + 1], markov)))
+            conf.append(self.confidence_head(hidden[k : k + 1], markov))
             if temperature:
                 q[k] = torch.softmax(z / temperature, -1)
                 prev = torch.multinomial(q[k], 1, generator=inputs.generator)
             else:
                 prev = z.argmax().reshape(1)
             picks.append(prev)
-        return Draft(torch.cat(picks), q, {"confidence": torch.cat(conf)})
+        logit = torch.cat(conf)  # [n]
+        return Draft(torch.cat(picks), q, {"confidence": torch.sigmoid(logit), "confidence_logit": logit})
 
-    # --- the served report (evaluate)
+    # --- the served report (evaluate) and the calibration (calibrate, export)
     @classmethod
-    def served_report(cls, records: list[dict[str, Any]]) -> dict[str, Any]:
-        """`adaptive_verification`: what an engine's adaptive verification would make of the served confidences,
-        and their calibration (`adaptive_verification`); none where no step recorded confidences."""
-        if not served_steps(records):
+    def served_report(cls, records: list[dict[str, Any]], settings: ServedSettings | None = None) -> dict[str, Any]:
+        """What the engines' adaptive verification makes of the served confidences (`adaptive_verification`) and
+        their calibration (`confidence_calibration`), raw and, where `settings` carry this temperature's
+        calibration, with SGLang's per-slot temperatures and with the affine map folded for vLLM; none where no
+        step recorded confidences."""
+        settings = settings or ServedSettings()
+        prompts = served_blocks(records)
+        if not any(prompts):
             return {}
-        return {"adaptive_verification": adaptive_verification(records)}
+        fit = (settings.calibration or {}).get(cls.name)
+        views = confidence_views(fit)
+        steps = [s for p in prompts for s in p]
+        engines = {"vllm": views["affine" if fit else "raw"], "sglang": views["sts" if fit else "raw"]}
+        return {"adaptive_verification": adaptive_verification(prompts, settings.cost, engines),
+                "confidence_calibration": {
+                    "survival": {name: survival_calibration(steps, view) for name, view in views.items()},
+                    "reached": served_calibration([(s.accepted, view_of(s, views["raw"])) for s in steps])}}
+
+    @classmethod
+    def calibrate(cls, records: list[dict[str, Any]], state: dict[str, Tensor]) -> Calibration:
+        """Fit, on the served blocks of one temperature, SGLang's per-slot temperatures (sequential temperature
+        scaling: T_k left to right, each minimising the survival ECE at slot k given T_<k) and an affine map
+        `c = sigmoid(scale * logit + shift)` minimising the survival's cross-entropy over every verified slot, which
+        `fold_calibration` folds into `confidence_head.proj` for vLLM (it uses the raw sigmoid)."""
+        steps = [s for p in served_blocks(records) for s in p]
+        if not steps:
+            raise ConfigError("calibrate: no served step recorded DSpark's confidences")
+        drafts = len(steps[0].logits)
+        temperatures = fit_sts(steps, drafts)
+        scale, shift = fit_affine(steps)
+        if not (math.isfinite(scale) and math.isfinite(shift)):  # every draft accepted, or none: nothing to rank
+            raise ConfigError(f"calibrate: the affine map does not converge on {len(steps)} served blocks (scale "
+                              f"{scale}, shift {shift}); serve more prompts")
+        fit = {"drafts": drafts, "sts_temperatures": temperatures, "affine": {"scale": scale, "shift": shift},
+               "head": head_fingerprint(state)}
+        views = confidence_views(fit)
+        report = {"steps": len(steps), "verified_drafts": sum(s.verified for s in steps),
+                  "survival": {name: survival_calibration(steps, view) for name, view in views.items()}}
+        per_slot = {name: [p["ece"] for p in report["survival"][name]["per_position"]] for name in ("raw", "sts")}
+        sts = {"temperatures": temperatures, "dataset": "dflash_lightning calibrate", "num_samples": len(steps)}
+        if None not in per_slot["raw"] + per_slot["sts"]:  # SGLang reads these as lists of numbers
+            sts |= {"ece_before": per_slot["raw"], "ece_after": per_slot["sts"]}
+        survival = report["survival"]
+        lines = [f"{len(steps)} served blocks: survival ECE raw {survival['raw']['ece']:.4f}, per-slot temperatures "
+                 f"{survival['sts']['ece']:.4f}, affine {survival['affine']['ece']:.4f} (AUROC raw "
+                 f"{_fmt(survival['raw']['auroc'])}, affine {_fmt(survival['affine']['auroc'])}); affine map: "
+                 f"logit * {scale:.4f} {shift:+.4f}",
+                 "SGLang: the sts file (--speculative-dspark-confidence-sts-path) is for the folder exported without "
+                 "--calibration; a folder with the affine map folded in is served calibrated by both engines as it is"]
+        return Calibration(fit, report, {"sts.json": json.dumps(sts) + "\n"}, lines)
+
+    @classmethod
+    def fold_calibration(cls, state: dict[str, Tensor], fit: dict[str, Any], source: str) -> dict[str, Tensor]:
+        """`confidence_head.proj` with the affine map folded in: weight * scale, bias * scale + shift (fp64, then
+        the weights' dtype), so vLLM's raw sigmoid gives the calibrated c; refused for a head other than the one
+        calibrated (another drafter, or a calibration already folded)."""
+        try:
+            scale, shift = float(fit["affine"]["scale"]), float(fit["affine"]["shift"])
+            head = fit["head"]
+        except (KeyError, TypeError, ValueError):
+            raise ConfigError(f"{source}: not a DSpark calibration (affine.scale, affine.shift, head)") from None
+        ours = head_fingerprint(state)
+        if any(not math.isclose(ours[k], head[k], rel_tol=2e-2, abs_tol=1e-3) for k in ours):
+            raise ConfigError(f"{source}: calibrated for a confidence head of {head}, this drafter's is {ours} "
+                              f"(another drafter, or one with a calibration already folded in): calibrate this one")
+        w, b = state["confidence_head.proj.weight"], state["confidence_head.proj.bias"]
+        return {**state, "confidence_head.proj.weight": (w.double() * scale).to(w.dtype),
+                "confidence_head.proj.bias": (b.double() * scale + shift).to(b.dtype)}
 
     # --- export and import: config.json's top level (section 12)
+    @classmethod
+    def speculative_config(cls, settings: DSparkSettings) -> dict[str, Any]:
+        """vLLM verifies the prefix the confidences make worth it (its adaptive verification, DSpark only)."""
+        return {"enable_adaptive_verification": True}
+
     @classmethod
     def top_level_fields(cls, settings: DSparkSettings, config: Any = None) -> dict[str, Any]:
         """All written: the engines read the MASK id and layer ids here too, vLLM reads markov_rank only here and
@@ -298,9 +383,11 @@ class DSparkHeads(Part):
 
 
 class DSparkMetrics(Metric):
-    """Per slot 1 - TV(Q, P) and the tau it implies, the greedy accepted prefix (teacher-forced prev equals the
-    drafted token along a correct prefix), and the confidence's calibration against 1 - TV: ECE per slot, Brier,
-    and the bias of the survival product a_k = prod c_i against prod (1 - TV_i)."""
+    """Per slot 1 - TV(Q, P); tau as DeepSpec computes it (`dspark/tau`: the mean over blocks of 1 + sum_k
+    prod_{i<=k} (1 - TV_i) over the block's supervised prefix) and the product of the per-slot means
+    (`dspark/tau_tv`, which ignores how the slots of a block go together); the greedy accepted prefix
+    (teacher-forced prev equals the drafted token along a correct prefix); and the confidence's calibration against
+    1 - TV: ECE per slot, Brier, and the bias of the survival product a_k = prod c_i against prod (1 - TV_i)."""
 
     full_state_update = False
 
@@ -312,6 +399,7 @@ class DSparkMetrics(Metric):
         for name in ("bin_count", "bin_conf", "bin_accept"):
             self.add_state(name, torch.zeros(block_size, ECE_BINS), dist_reduce_fx="sum")  # [B, bins]
         self.add_state("accepted", torch.zeros(()), dist_reduce_fx="sum")
+        self.add_state("expected", torch.zeros(()), dist_reduce_fx="sum")
         self.add_state("blocks", torch.zeros(()), dist_reduce_fx="sum")
 
     def update(self, rows: Tensor, labels: Tensor, supervised: Tensor) -> None:
@@ -329,14 +417,17 @@ class DSparkMetrics(Metric):
         self.bin_accept += (one_hot * accept[..., None]).sum(0)
         valid_block = m[:, 0]
         self.accepted += ((right * m).cumprod(-1).sum(-1) * valid_block).sum()
+        self.expected += ((accept * m).cumprod(-1).sum(-1) * valid_block).sum()
         self.blocks += valid_block.sum()
 
     def compute(self) -> dict[str, Tensor]:
         slots = self.slots.clamp_min(1)
         accept = self.accept / slots  # [B]
         ece = (self.bin_conf - self.bin_accept).abs().sum(-1) / slots  # [B]
-        out = {"dspark/accept": accept.mean(), "dspark/tau_tv": 1 + accept.cumprod(0).sum(),
-               "dspark/tau_greedy": 1 + self.accepted / self.blocks.clamp_min(1), "dspark/ece": ece.mean(),
+        blocks = self.blocks.clamp_min(1)
+        out = {"dspark/accept": accept.mean(), "dspark/tau": 1 + self.expected / blocks,
+               "dspark/tau_tv": 1 + accept.cumprod(0).sum(),
+               "dspark/tau_greedy": 1 + self.accepted / blocks, "dspark/ece": ece.mean(),
                "dspark/brier": (self.brier / slots).mean(), "dspark/survival_bias": (self.survival_bias / slots).mean()}
         for k in range(self.block_size):
             out[f"dspark/accept/slot_{k:02d}"] = accept[k]
@@ -344,48 +435,156 @@ class DSparkMetrics(Metric):
         return out
 
 
-def served_steps(records: list[dict[str, Any]]) -> list[tuple[int, list[float]]]:
-    """(accepted drafts a, c_k of the block's drafts) of every served step with confidences (`Draft.extras`,
-    recorded per step by `Generation.extras`), over the records of `evaluate`."""
-    return [(a, c) for r in records if "confidence" in r["extras"]
-            for a, c in zip(r["accepted_lengths"], r["extras"]["confidence"], strict=True)]
+@dataclass(frozen=True)
+class ServedStep:
+    """One served step of a DSpark drafter: its B drafts' confidence logits and what verification made of them."""
+
+    logits: tuple[float, ...]
+    """The confidence head's logit of each draft, in slot order (c_k = sigmoid of it)."""
+    accepted: int
+    """Drafts accepted (a): the prefix 0..a-1."""
+    verified: int
+    """Drafts verified: all B but where the length limit cut the last step short."""
 
 
-def adaptive_verification(records: list[dict[str, Any]], thresholds: Sequence[float] = ADAPTIVE_THRESHOLDS
-                          ) -> dict[str, Any]:
-    """What verifying only the drafts a confidence head admits would do (docs/method.md 12), from the served steps.
+def served_blocks(records: list[dict[str, Any]]) -> list[list[ServedStep]]:
+    """The served steps of each prompt, in order, from `evaluate`'s records (`Draft.extras` recorded per step by
+    `Generation.extras`); a record without confidences gives none. Records written before the logits were recorded
+    give them back from c."""
+    prompts = []
+    for r in records:
+        extras = r.get("extras") or {}
+        logits = extras.get("confidence_logit") or [[_logit(c) for c in cs] for cs in extras.get("confidence", [])]
+        verified = r.get("verified_lengths") or [len(ls) for ls in logits]
+        prompts.append([ServedStep(tuple(ls), a, v) for ls, a, v in
+                        zip(logits, r["accepted_lengths"], verified, strict=True)] if logits else [])
+    return prompts
 
-    For each step with confidences c_k and a accepted drafts: at threshold t the engine verifies the prefix whose
-    survival a_k = prod_{i<=k} c_i >= t (n_t drafts) and accepts min(a, n_t) of them. Per threshold: drafts
-    verified and accepted per step, the tau it implies (1 + accepted per step) and the share of verified drafts
-    accepted, beside verifying all; and the confidences' calibration on the served blocks (`served_calibration`).
-    """
-    steps = served_steps(records)
-    n = len(steps)
-    survival = [list(itertools.accumulate(c, lambda x, y: x * y)) for _, c in steps]
-    out: dict[str, Any] = {"steps": n, "all": {
-        "verified_per_step": sum(len(c) for _, c in steps) / n, "accepted_per_step": sum(a for a, _ in steps) / n}}
-    for t in thresholds:
-        admitted = [sum(1 for s in surv if s >= t) for surv in survival]  # survival only falls: a prefix
-        verified, kept = sum(admitted), sum(min(a, m) for (a, _), m in zip(steps, admitted, strict=True))
-        out[f"threshold_{t:g}"] = {"verified_per_step": verified / n, "accepted_per_step": kept / n,
-                                   "tau": 1 + kept / n, "accepted_share": kept / verified if verified else None}
-    out["calibration"] = served_calibration(steps)
+
+Confidence = Callable[[int, float], float]
+"""c of slot k from its confidence logit: raw, or under a calibration."""
+
+
+def confidence_views(fit: dict[str, Any] | None) -> dict[str, Confidence]:
+    """The confidences the report compares: raw (what the head computes), and with a calibration `fit` SGLang's
+    per-slot temperatures (`sts`, c_k = sigmoid(logit / T_k)) and the affine map vLLM serves folded (`affine`)."""
+    views: dict[str, Confidence] = {"raw": lambda k, x: _sigmoid(x)}
+    if fit:
+        t, (scale, shift) = fit["sts_temperatures"], (fit["affine"]["scale"], fit["affine"]["shift"])
+        views["sts"] = lambda k, x: _sigmoid(x / t[k])
+        views["affine"] = lambda k, x: _sigmoid(scale * x + shift)
+    return views
+
+
+def view_of(step: ServedStep, view: Confidence) -> list[float]:
+    """c_k of every draft of a step under a view."""
+    return [view(k, x) for k, x in enumerate(step.logits)]
+
+
+def survival(confidence: Sequence[float]) -> list[float]:
+    """a_k = prod_{i<=k} c_i of a block's confidences."""
+    return list(itertools.accumulate(confidence, lambda x, y: x * y))
+
+
+def adaptive_verification(prompts: list[list[ServedStep]], cost: VerifyCost,
+                          engines: dict[str, Confidence] | None = None) -> dict[str, Any]:
+    """What the engines' adaptive verification would verify and accept of the served blocks, beside verifying all.
+
+    Their rule (vLLM 0.34 `AdaptiveVerificationManager.get_num_tokens`, SGLang 0.5.23
+    `compute_verify_token_budget`), for one request: verify the n drafts of highest survival (a prefix, survival only
+    falls) with n maximising (1 + the sum of the n highest survivals) / `cost.step(n)`, the survivals those of the
+    confidences `ENGINE_LAGS` steps old (all ones before a prompt has that many: a new request's; SGLang admits none
+    below `ENGINE_FLOORS`). The step then accepts min(a, n) of the a the full verification accepted: the blocks are
+    the served ones, the count of each step is the rule's (a counterfactual: a shorter verification would change the
+    context after it). `current`: the rule on the step's own confidences, what the lag costs. Per rule: drafts
+    verified and accepted a step, tau (1 + accepted), the cost a step and the tokens per cost against verifying
+    all's. `engines`: the confidences each engine serves (default raw)."""
+    engines = engines or {}
+    raw = confidence_views(None)["raw"]
+    steps = sum(len(p) for p in prompts)
+
+    def run(lag: int | None, view: Confidence, floor: float = 0.0) -> dict[str, Any]:
+        verified = accepted = spent = 0.0
+        for prompt in prompts:
+            survivals = [survival(view_of(s, view)) for s in prompt]
+            for t, step in enumerate(prompt):
+                if lag is None:
+                    n = step.verified
+                else:
+                    seen = survivals[t - lag] if t >= lag else [1.0] * len(step.logits)
+                    n = best_prefix(sorted((a for a in seen[: step.verified] if a >= floor), reverse=True), cost)
+                verified, accepted, spent = verified + n, accepted + min(step.accepted, n), spent + cost.step(n)
+        return {"verified_per_step": verified / steps, "accepted_per_step": accepted / steps,
+                "tau": 1 + accepted / steps, "cost_per_step": spent / steps,
+                "tokens_per_cost": (steps + accepted) / spent}
+
+    out: dict[str, Any] = {"steps": steps, "cost": {"draft": cost.draft, "per_token": cost.per_token},
+                           "all": run(None, raw)}
+    for name, lag in ENGINE_LAGS.items():
+        view = engines.get(name, raw)
+        out[name] = {"lag": lag, **run(lag, view, ENGINE_FLOORS[name])}
+        out[name]["throughput_vs_all"] = out[name]["tokens_per_cost"] / out["all"]["tokens_per_cost"]
+    out["current"] = {"lag": 0, **run(0, engines.get("vllm", raw))}
+    out["current"]["throughput_vs_all"] = out["current"]["tokens_per_cost"] / out["all"]["tokens_per_cost"]
     return out
 
 
+def best_prefix(scores: Sequence[float], cost: VerifyCost) -> int:
+    """The n in 0..len(scores) maximising (1 + sum of the first n `scores`) / cost.step(n), the first on ties (numpy's
+    argmax, as vLLM takes it)."""
+    best, best_value, total = 0, 1.0 / cost.step(0), 1.0
+    for n, score in enumerate(scores, 1):
+        total += score
+        value = total / cost.step(n)
+        if value > best_value:
+            best, best_value = n, value
+    return best
+
+
+def survival_calibration(steps: list[ServedStep], view: Confidence, bins: int = SURVIVAL_BINS) -> dict[str, Any]:
+    """The paper's measures of a confidence on served blocks (DeepSpec's evaluator): at each position k, the
+    survival a_k = prod_{i<=k} c_i against whether the whole prefix 0..k was accepted, over the steps that verified
+    draft k; per position ECE (`bins` equal-width bins), AUROC and Brier, and their means weighted by the pairs at
+    each position (`ece`, `auroc` over the positions where it is defined, `brier`), the mean survival and
+    acceptance, and the tau the survivals predict (1 + sum_k a_k a step) against the served one."""
+    width = max(len(s.logits) for s in steps)
+    pairs: list[list[tuple[float, float]]] = [[] for _ in range(width)]
+    predicted = 0.0
+    for s in steps:
+        surv = survival(view_of(s, view))
+        predicted += sum(surv[: s.verified])
+        for k in range(s.verified):
+            pairs[k].append((surv[k], float(s.accepted > k)))
+    per_position = []
+    for ps in pairs:
+        scores, labels = [p for p, _ in ps], [y for _, y in ps]
+        per_position.append({"pairs": len(ps), "ece": served_ece(ps, bins), "auroc": auroc(scores, labels),
+                             "brier": sum((p - y) ** 2 for p, y in ps) / len(ps) if ps else None,
+                             "survival": sum(scores) / len(ps) if ps else None,
+                             "accepted": sum(labels) / len(ps) if ps else None})
+
+    def mean(key: str) -> float | None:
+        rows = [(r["pairs"], r[key]) for r in per_position if r[key] is not None]
+        total = sum(n for n, _ in rows)
+        return sum(n * v for n, v in rows) / total if total else None
+
+    return {"ece": mean("ece"), "auroc": mean("auroc"), "brier": mean("brier"), "survival": mean("survival"),
+            "accepted": mean("accepted"), "predicted_tau": 1 + predicted / len(steps),
+            "served_tau": 1 + sum(s.accepted for s in steps) / len(steps), "bins": bins,
+            "per_position": per_position}
+
+
 def served_calibration(steps: list[tuple[int, list[float]]]) -> dict[str, Any]:
-    """The confidences' calibration on served blocks, from (accepted drafts a, c_k) of each step: draft k is reached
-    when the k drafts before it were accepted; c_k against its acceptance there (ECE per slot and pooled, Brier),
-    and a_k against the acceptance of the whole prefix to k at every step (Brier, bias = mean a_k - acceptance
-    rate): what the engines' per-slot temperature scaling (SGLang's --speculative-dspark-confidence-sts-path) would
-    correct."""
-    survival = [list(itertools.accumulate(c, lambda x, y: x * y)) for _, c in steps]
+    """The calibration of c_k itself on served blocks, from (accepted drafts a, c_k) of each step: draft k is reached
+    when the k drafts before it were accepted; c_k against its acceptance there (ECE per slot and pooled, `ECE_BINS`
+    bins as in training, Brier), and a_k against the acceptance of the whole prefix to k at every step (Brier,
+    bias = mean a_k - acceptance rate)."""
+    surv = [survival(c) for _, c in steps]
     width = max(len(c) for _, c in steps)
     reached = [[(c[k], float(a > k)) for a, c in steps if k <= a and k < len(c)] for k in range(width)]
     ece = [served_ece(pairs) for pairs in reached]
     pooled = [p for pairs in reached for p in pairs]
-    prefix = [(surv[k], float(a > k)) for (a, _), surv in zip(steps, survival, strict=True) for k in range(len(surv))]
+    prefix = [(s[k], float(a > k)) for (a, _), s in zip(steps, surv, strict=True) for k in range(len(s))]
     return {
         "ece": served_ece(pooled), "ece_per_slot": ece, "reached_per_slot": [len(p) for p in reached],
         "brier": sum((c - y) ** 2 for c, y in pooled) / len(pooled),
@@ -394,16 +593,114 @@ def served_calibration(steps: list[tuple[int, list[float]]]) -> dict[str, Any]:
     }
 
 
-def served_ece(pairs: list[tuple[float, float]]) -> float | None:
-    """Expected calibration error of (confidence, outcome) pairs in `ECE_BINS` equal-width bins, as `DSparkMetrics`
-    bins them in training; None without pairs."""
+def served_ece(pairs: list[tuple[float, float]], bins: int = ECE_BINS) -> float | None:
+    """Expected calibration error of (confidence, outcome) pairs in `bins` equal-width bins (bin floor(p * bins),
+    the last closed: as `DSparkMetrics` and DeepSpec's evaluator bin); None without pairs."""
     if not pairs:
         return None
-    bins: dict[int, list[tuple[float, float]]] = {}
+    groups: dict[int, list[tuple[float, float]]] = {}
     for c, y in pairs:
-        bins.setdefault(min(int(c * ECE_BINS), ECE_BINS - 1), []).append((c, y))
-    return sum(abs(sum(c for c, _ in b) - sum(y for _, y in b)) for b in bins.values()) / len(pairs)
+        groups.setdefault(min(max(int(c * bins), 0), bins - 1), []).append((c, y))
+    return sum(abs(sum(c for c, _ in b) - sum(y for _, y in b)) for b in groups.values()) / len(pairs)
 
 
-__all__ = ["ADAPTIVE_THRESHOLDS", "ConfidenceHead", "DSparkHeads", "DSparkMetrics", "DSparkSettings", "MarkovHead",
-           "adaptive_verification", "served_calibration", "served_ece", "served_steps"]
+def auroc(scores: Sequence[float], labels: Sequence[float]) -> float | None:
+    """The probability that a positive's score ranks above a negative's, ties counting one half (Mann-Whitney U
+    from average ranks); None without both classes. Exact (DeepSpec bins scores in 1000 for it)."""
+    n_pos = sum(1 for y in labels if y)
+    n_neg = len(labels) - n_pos
+    if not n_pos or not n_neg:
+        return None
+    order = sorted(range(len(scores)), key=scores.__getitem__)
+    ranks = [0.0] * len(scores)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and scores[order[j + 1]] == scores[order[i]]:
+            j += 1
+        for m in range(i, j + 1):
+            ranks[order[m]] = (i + j) / 2 + 1  # the average rank of the tie group, 1-based
+        i = j + 1
+    rank_sum = sum(r for r, y in zip(ranks, labels, strict=True) if y)
+    return (rank_sum - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)
+
+
+def fit_sts(steps: list[ServedStep], drafts: int, bins: int = SURVIVAL_BINS) -> list[float]:
+    """Per-slot temperatures fit left to right (the paper's sequential temperature scaling): T_k from `STS_GRID`
+    minimising the survival ECE at slot k, the survival prod_{i<=k} sigmoid(logit_i / T_i) with T_<k as fitted; 1
+    for a slot no step verified."""
+    temperatures: list[float] = []
+    logits = torch.tensor([s.logits for s in steps], dtype=torch.float64)  # [S, B]
+    verified = torch.tensor([s.verified for s in steps])
+    accepted = torch.tensor([s.accepted for s in steps])
+    prefix = torch.zeros(len(steps), dtype=torch.float64)  # log of the survival before slot k  # [S]
+    grid = torch.tensor(STS_GRID, dtype=torch.float64)
+    for k in range(drafts):
+        rows = verified > k
+        if not rows.any():
+            temperatures.append(1.0)
+            continue
+        y = (accepted[rows] > k).double()  # [n]
+        surv = torch.exp(prefix[rows][None] + F.logsigmoid(logits[rows, k][None] / grid[:, None]))  # [grid, n]
+        best = int(torch.argmin(_ece_rows(surv, y, bins)))
+        temperatures.append(float(grid[best]))
+        prefix = prefix + F.logsigmoid(logits[:, k] / grid[best])
+    return temperatures
+
+
+def fit_affine(steps: list[ServedStep]) -> tuple[float, float]:
+    """(scale, shift) of c = sigmoid(scale * logit + shift), one for every slot (the head is one linear map, folded
+    at export), minimising the cross-entropy of the survival a_k against the prefix's acceptance over every
+    verified slot (L-BFGS from the identity, fp64)."""
+    width = max(len(s.logits) for s in steps)
+    logits = torch.tensor([s.logits for s in steps], dtype=torch.float64)  # [S, B]
+    slot = torch.arange(width)
+    mask = slot[None] < torch.tensor([s.verified for s in steps])[:, None]  # [S, B]
+    y = (slot[None] < torch.tensor([s.accepted for s in steps])[:, None]).double()  # [S, B]
+    params = torch.tensor([1.0, 0.0], dtype=torch.float64, requires_grad=True)
+    optimizer = torch.optim.LBFGS([params], lr=1.0, max_iter=200, tolerance_grad=1e-10, tolerance_change=1e-12,
+                                  line_search_fn="strong_wolfe")
+
+    def closure() -> Tensor:
+        optimizer.zero_grad()
+        log_a = F.logsigmoid(params[0] * logits + params[1]).cumsum(-1)  # log a_k  # [S, B]
+        log_not = torch.log(-torch.expm1(log_a.clamp(max=-1e-12)))  # log(1 - a_k)
+        loss = -((y * log_a + (1 - y) * log_not) * mask).sum() / mask.sum()
+        loss.backward()
+        return loss
+
+    optimizer.step(closure)
+    scale, shift = params.detach().tolist()
+    return scale, shift
+
+
+def head_fingerprint(state: dict[str, Tensor]) -> dict[str, float]:
+    """Two numbers that tell a confidence head apart (a calibration is of one head): the norm of proj's weight
+    and its bias."""
+    w, b = state["confidence_head.proj.weight"], state["confidence_head.proj.bias"]
+    return {"weight_norm": float(w.double().norm()), "bias": float(b.double().sum())}
+
+
+def _ece_rows(probs: Tensor, y: Tensor, bins: int) -> Tensor:
+    """The ECE of every row of `probs [G, n]` against outcomes `y [n]`, binned as `served_ece`.  # [G]"""
+    index = (probs * bins).long().clamp(0, bins - 1)  # [G, n]
+    gap = torch.zeros(probs.shape[0], bins, dtype=probs.dtype).scatter_add_(1, index, probs - y[None])
+    return gap.abs().sum(-1) / probs.shape[1]
+
+
+def _sigmoid(x: float) -> float:
+    return 1.0 / (1.0 + math.exp(-x)) if x >= 0 else math.exp(x) / (1.0 + math.exp(x))
+
+
+def _logit(c: float) -> float:
+    c = min(max(c, 1e-12), 1 - 1e-12)
+    return math.log(c / (1 - c))
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+__all__ = ["ConfidenceHead", "DSparkHeads", "DSparkMetrics", "DSparkSettings", "MarkovHead", "ServedStep",
+           "adaptive_verification", "auroc", "best_prefix", "confidence_views", "fit_affine", "fit_sts",
+           "served_blocks", "served_calibration", "served_ece", "survival_calibration"]

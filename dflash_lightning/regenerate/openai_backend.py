@@ -188,7 +188,7 @@ class Servers:
         return target, engines.pop()
 
     def run(self, conversations: Iterator[Conversation], writer: OrderedWriter, counts: Counter[str],
-            done: Callable[[int], None], *, model: str, concurrency: int, abort_after: int, seed: int,
+            done: Callable[[int], None], *, model: str, concurrency: int, abort_after: int, seed: int | None,
             **sampling: Any) -> None:
         """Regenerates the conversations, `concurrency` at once, each on the server holding the fewest now."""
         fields = request_fields(**sampling)
@@ -196,7 +196,7 @@ class Servers:
 
     async def _run(self, conversations: Iterator[Conversation], writer: OrderedWriter, counts: Counter[str],
                    done: Callable[[int], None], model: str, fields: dict[str, Any], concurrency: int,
-                   abort_after: int, seed: int) -> None:
+                   abort_after: int, seed: int | None) -> None:
         servers = self._connect()
         slots = asyncio.Semaphore(concurrency)
         advanced = asyncio.Event()
@@ -204,7 +204,7 @@ class Servers:
         tasks: set[asyncio.Task] = set()
         fatal: list[BaseException] = []
         failed_in_a_row = 0
-        sampled = "top_p" in fields  # a seed only means something when sampling
+        sampled = "top_p" in fields and seed is not None  # a seed only means something when sampling
 
         def stop(err: BaseException) -> None:
             if not fatal:

