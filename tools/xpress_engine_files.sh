@@ -5,7 +5,7 @@
 #   bash tools/xpress_engine_files.sh [DIR]            (default /tmp/dflash-xpress-files)
 # then
 #   DFLASH_ENGINE_PYTHON=VENV/bin/python DFLASH_XPRESS_FILES=DIR python -m pytest tests/test_xpress.py -k engines
-# Downloads 239 MB (the vLLM wheel, kept nowhere) and keeps 4 files (60 KB).
+# Downloads 239 MB (the vLLM wheel, kept nowhere) and keeps 4 files (33 KB).
 set -Eeuo pipefail
 DIR=${1:-/tmp/dflash-xpress-files}
 PY=${PYTHON:-python3}
