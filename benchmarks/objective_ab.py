@@ -18,6 +18,15 @@ DSpark against DFlash2 at the tiny default's block size (issue 37; not yet run):
     python benchmarks/objective_ab.py --recipes dflash2-dpace-ce,dspark --temperatures 0,0.6,1 --device cuda \
         --out benchmarks/results/tiny-dspark-ab.json
 
+LiLiCorr's candidate-token pathway (issue 43): walk minus argmax on the training lattice against steps, a 200-step
+screen of lattice widths and token_proj init stds without serving (`--fit-only`; the curves land in the JSON), then
+the chosen lattice served against DFlash2, a longer run and a warm start from the DFlash2 run of the same seed:
+
+    python benchmarks/objective_ab.py --recipes lilicorr-conv-dpace-ce,lilicorr-conv-w256,lilicorr-conv-w256-std0.5 \
+        --seeds 0 --steps 200 --fit-only --out X.json
+    python benchmarks/objective_ab.py --recipes dflash2-dpace-ce,lilicorr-conv-tokens,lilicorr-conv-tokens-warm \
+        --seeds 0,1 --temperatures 0,0.6,1 --out Y.json
+
 XPress against DFlash2 and DSpark (issue 44; not yet run): `xpress` drafts as vLLM 0.34 serves it (the greedy Jacobi
 block, point masses at T > 0), `xpress-gumbel` with the xPress harness's sampled drafts and their q at T > 0 (the same
 at T 0), `xpress-prev0-anchor` trains with the anchor as prev_0, which is what vLLM feeds when it serves:
@@ -38,6 +47,7 @@ Features from an FP8 target against a bf16 one (issue 26), on a Hopper GPU:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -55,6 +65,51 @@ DPACE = {"model.objective": "ce", "model.loss_weights": "dpace"}
 TINY_LATTICE = {"model.drafter.lilicorr.hidden_size": 0, "model.drafter.lilicorr.factor_dim": 128}
 B7 = {"model.drafter.block_size": 7, "model.drafter.gamma": 4.0}
 XPRESS = {"model.objective": "ce", "model.loss_weights": "decay", "model.drafter.variant": "xpress"}
+LILICORR_CONV = {**DPACE, "model.drafter.variant": "lilicorr-conv"}
+
+
+def lattice(width: int, token_proj_std: float | None = None) -> dict:
+    """A tiny lattice of width Hh (not the drafter's 128, so it has a token_proj) and token_proj's init std."""
+    std = {} if token_proj_std is None else {"model.drafter.lilicorr.token_proj_std": token_proj_std}
+    return {**LILICORR_CONV, **TINY_LATTICE, "model.drafter.lilicorr.hidden_size": width, **std}
+
+
+def target_shape(base: dict) -> tuple[int, float]:
+    """H and the mean row norm of the input embedding of the config's target (a local folder)."""
+    return _target_shape(base["target"]["path"])
+
+
+@functools.cache
+def _target_shape(target: str) -> tuple[int, float]:
+    from safetensors import safe_open
+
+    path = ROOT / target  # relative to the repository, or absolute
+    if not (path / "config.json").exists():
+        raise SystemExit(f"target.path {target}: the scaled lattice recipes read a local folder's config.json and "
+                         "embedding")
+    config = json.loads((path / "config.json").read_text())
+    hidden = config.get("hidden_size") or config["text_config"]["hidden_size"]
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(file, "pt") as f:
+            for key in f.keys():
+                if key.endswith("embed_tokens.weight"):
+                    return hidden, float(f.get_tensor(key).float().norm(dim=1).mean())
+    raise SystemExit(f"{path}: no embed_tokens.weight in its safetensors files")
+
+
+def scaled_lattice(ratio: float) -> dict:
+    """The tiny screen's choice carried to any target (values computed from the --config's target at run time):
+    Hh = H/2, F = H, and token_proj's init std such that a candidate's token term starts at `ratio` times the
+    pass-hidden term's scale, ratio * 0.02 sqrt(H) / mean |E row| (the tiny target: 64, 128, std 1.99 at 3.5)."""
+    def std(base: dict) -> float:
+        hidden, norm = target_shape(base)
+        return round(ratio * 0.02 * hidden**0.5 / norm, 3)
+
+    return {**LILICORR_CONV, "model.drafter.lilicorr.hidden_size": lambda base: target_shape(base)[0] // 2,
+            "model.drafter.lilicorr.factor_dim": lambda base: target_shape(base)[0],
+            "model.drafter.lilicorr.token_proj_std": std}
+
+
 RECIPES = {
     "decay-ce": {"model.objective": "ce", "model.loss_weights": "decay"},
     "dpace-ce": {"model.objective": "ce", "model.loss_weights": "dpace"},
@@ -81,7 +136,21 @@ RECIPES = {
     # the features a drafter trains on from a bf16 or an FP8 target (Hopper GPUs), served by the same fp32 target
     "target-bf16": {"target.dtype": "bfloat16"},
     "target-fp8": {"target.dtype": "bfloat16", "target.fp8": True},
+    # LiLiCorr's candidate-token pathway (issue 43): at hidden_size 0 a candidate enters only as its frozen embedding
+    # row (norm ~0.40 on the tiny target); a lattice of another width has a token_proj whose init std sets that gain
+    "lilicorr-conv-w64": lattice(64),
+    "lilicorr-conv-w64-std0.5": lattice(64, 0.5),
+    "lilicorr-conv-w64-std2": lattice(64, 2.0),
+    "lilicorr-conv-w256": lattice(256),
+    "lilicorr-conv-w256-std0.5": lattice(256, 0.5),
+    "lilicorr-conv-w256-std2": lattice(256, 2.0),
 }
+RECIPES["lilicorr-conv-tokens"] = RECIPES["lilicorr-conv-w64-std2"]  # the screen's choice (RESULTS.md, issue 43)
+RECIPES["lilicorr-conv-tokens-scaled"] = scaled_lattice(3.5)  # the same for another target: --config X.yaml
+RECIPES["lilicorr-conv-tokens-scaled-warm"] = {**RECIPES["lilicorr-conv-tokens-scaled"],
+                                               "model.init_from": "@dflash2-dpace-ce"}
+# warm start: "@recipe" is that recipe's last.ckpt of the same seed and steps, fit first if it is not there
+RECIPES["lilicorr-conv-tokens-warm"] = {**RECIPES["lilicorr-conv-tokens"], "model.init_from": "@dflash2-dpace-ce"}
 PROMPTS = "dflash_lightning/assets/tiny/data/prompts.jsonl"
 
 
@@ -107,45 +176,61 @@ def run_config(base: dict, run_dir: Path, seed: int, settings: dict, device: str
     return cfg
 
 
+def run_name(name: str, seed: int, steps: int | None = None) -> str:
+    """The run's folder under --work: recipe, steps where not the config's, seed."""
+    return f"{name}{f'-steps{steps}' if steps else ''}-seed{seed}"
+
+
 def one_run(name: str, seed: int, work: Path, base: dict, config_name: str, threads: int | None = None,
-            device: str = "cpu", temperatures: str = "0", extra: dict | None = None, prompts: str = PROMPTS,
-            evaluate_args: tuple[str, ...] = ()) -> dict:
-    """fit then evaluate one recipe and seed (or read the finished run); its figures. `extra`: settings (dotted keys)
-    over every recipe's (a shared feature cache, the step count); `evaluate_args`: more `evaluate` options."""
-    run_dir = work / f"{name}-seed{seed}"
+            device: str = "cpu", temperatures: str = "0", steps: int | None = None, fit_only: bool = False,
+            extra: dict | None = None, prompts: str = PROMPTS, evaluate_args: tuple[str, ...] = ()) -> dict:
+    """fit then evaluate one recipe and seed (or read the finished run); its figures. `steps` replaces the config's
+    max_steps; `fit_only` skips evaluate (the part's curves are the figures); `extra`: settings (dotted keys) over
+    every recipe's (a shared feature cache, say); `evaluate_args`: more `evaluate` options."""
+    run_dir = work / run_name(name, seed, steps)
     report_path = run_dir / "eval" / "report.json"
     record_path = run_dir / "run.json"
-    if report_path.exists() and record_path.exists():
+    if record_path.exists() and (fit_only or report_path.exists()):
         return json.loads(record_path.read_text())
+    settings = {k: v(base) if callable(v) else v for k, v in RECIPES[name].items()}  # from the config's target
+    settings |= extra or {}
+    if steps:
+        settings["trainer.max_steps"] = steps
+    for key, value in settings.items():  # "@recipe": that recipe's last checkpoint of this seed, fit first if absent
+        if isinstance(value, str) and value.startswith("@"):
+            one_run(value[1:], seed, work, base, config_name, threads, device, temperatures, steps, fit_only, extra,
+                    prompts, evaluate_args)
+            settings[key] = str(work / run_name(value[1:], seed, steps) / "checkpoints/last.ckpt")
     run_dir.mkdir(parents=True, exist_ok=True)
     config = run_dir / "config.yaml"
-    config.write_text(yaml.safe_dump(run_config(base, run_dir, seed, {**RECIPES[name], **(extra or {})}, device)))
+    config.write_text(yaml.safe_dump(run_config(base, run_dir, seed, settings, device)))
     env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
     t0 = time.perf_counter()
-    fit = [sys.executable, "-m", "dflash_lightning", "fit", "--config", str(config)]
-    with open(run_dir / "fit.log", "w") as log:
+    fit = [sys.executable, "-m", "dflash_lightning", "fit", "--config", str(config)]  # resumes an interrupted fit
+    with open(run_dir / "fit.log", "a") as log:
         subprocess.run(fit, cwd=ROOT, env=env, check=True, stdout=log, stderr=subprocess.STDOUT)
     t1 = time.perf_counter()
-    ckpt = str(run_dir / "checkpoints/last.ckpt")
-    evaluate = [sys.executable, "-m", "dflash_lightning", "evaluate", "--drafter", ckpt, "--prompts", prompts,
-                "--device", device, "--dtype", "float32", "--out", str(run_dir / "eval"),
-                "--temperature", temperatures, "--seed", "0", *evaluate_args]
-    with open(run_dir / "eval.log", "w") as log:
-        subprocess.run(evaluate, cwd=ROOT, env=env, check=True, stdout=log, stderr=subprocess.STDOUT)
-    t2 = time.perf_counter()
-    report = json.loads(report_path.read_text())
-    record = {
-        "recipe": name, "seed": seed, "settings": {**RECIPES[name], **(extra or {})}, "config": config_name,
-        "tau_pooled": report["tau_pooled"], "tau_prompt_mean": report["tau_prompt_mean"],
-        "tokens_per_step": report["tokens_per_step"], "mismatches": report["mismatches"],
-        "num_prompts": report["num_prompts"], "speedup": report["speedup"],
-        "fit_s": round(t1 - t0, 1), "evaluate_s": round(t2 - t1, 1), "threads": threads, "device": device,
-        "per_temperature": {t: {k: run.get(k) for k in ("tau_pooled", "tau_prompt_mean", "expected_tau_pooled",
-                                                        "mismatches")}
-                            for t, run in report.get("per_temperature", {}).items()},
-        "selector": _last_selector_metrics(run_dir),
-        "curve": _served_curve(run_dir),
-    }
+    record = {"recipe": name, "seed": seed, "settings": settings, "config": config_name,
+              "fit_s": round(t1 - t0, 1), "threads": threads, "device": device, "steps": steps}
+    if not fit_only:
+        ckpt = run_dir / "checkpoints/last.ckpt"
+        evaluate = [sys.executable, "-m", "dflash_lightning", "evaluate", "--drafter", str(ckpt), "--prompts",
+                    prompts, "--device", device, "--dtype", "float32", "--out", str(run_dir / "eval"),
+                    "--temperature", temperatures, "--seed", "0", *evaluate_args]
+        with open(run_dir / "eval.log", "w") as log:
+            subprocess.run(evaluate, cwd=ROOT, env=env, check=True, stdout=log, stderr=subprocess.STDOUT)
+        report = json.loads(report_path.read_text())
+        record |= {
+            "tau_pooled": report["tau_pooled"], "tau_prompt_mean": report["tau_prompt_mean"],
+            "tokens_per_step": report["tokens_per_step"], "mismatches": report["mismatches"],
+            "num_prompts": report["num_prompts"], "speedup": report["speedup"],
+            "evaluate_s": round(time.perf_counter() - t1, 1),
+            "per_temperature": {t: {k: run.get(k) for k in ("tau_pooled", "tau_prompt_mean", "expected_tau_pooled",
+                                                            "mismatches")}
+                                for t, run in report.get("per_temperature", {}).items()},
+        }
+    record["selector"] = _last_selector_metrics(run_dir)
+    record["curves"] = part_curves(run_dir)  # served tau (val/tau_served) against steps among them
     record_path.write_text(json.dumps(record, indent=2) + "\n")
     return record
 
@@ -168,18 +253,37 @@ def _last_selector_metrics(run_dir: Path) -> dict:
     return out
 
 
-def _served_curve(run_dir: Path) -> dict[str, dict[str, float]]:
-    """Served tau (`val/tau_served`, spec_eval's greedy decoding during the fit) and `val/tau` by step."""
+CURVE_KEYS = ("train/tau", "val/tau", "val/tau_served", "train/selector/tau", "val/selector/tau",
+              *(f"{stage}/lilicorr/{m}" for stage in ("train", "val")
+                for m in ("tau", "argmax_tau", "oracle_tau", "recall", "supervised")))
+
+
+def part_curves(run_dir: Path) -> dict[str, list]:
+    """Every logged value of CURVE_KEYS against the step, from the run's CSV log: {key: [[step, value], ...]}, and
+    where LiLiCorr logs, `<stage>/lilicorr/walk_minus_argmax` (the walk's prefix minus the argmax's, one batch each
+    train row, the validation batches each val row)."""
     import csv
 
-    out: dict[str, dict[str, float]] = {}
+    out: dict[str, list] = {}
     for path in sorted(run_dir.glob("dflash/version_*/metrics.csv")):
         with open(path) as f:
             for row in csv.DictReader(f):
-                for key in ("val/tau_served", "val/tau"):
+                for key in CURVE_KEYS:
                     if row.get(key):
-                        out.setdefault(key, {})[row["step"]] = float(row[key])
+                        out.setdefault(key, []).append([int(row["step"]), float(row[key])])
+    for stage in ("train", "val"):
+        walk, argmax = (dict(map(tuple, out.get(f"{stage}/lilicorr/{m}", []))) for m in ("tau", "argmax_tau"))
+        if walk:
+            out[f"{stage}/lilicorr/walk_minus_argmax"] = [[k, walk[k] - argmax[k]] for k in walk if k in argmax]
     return out
+
+
+def binned(curve: list, width: int) -> list:
+    """Means of a [[step, value], ...] curve over consecutive step windows of `width`: [[last step, mean], ...]."""
+    bins: dict[int, list[float]] = {}
+    for step, value in curve:
+        bins.setdefault(step // width, []).append(value)
+    return [[(b + 1) * width, round(statistics.fmean(v), 4)] for b, v in sorted(bins.items())]
 
 
 def summary(records: list[dict], key: str) -> dict:
@@ -199,6 +303,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS of each run; None: torch's default")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where fit and evaluate run")
     parser.add_argument("--temperatures", default="0", help="evaluate's --temperature list, e.g. 0,0.6,1")
+    parser.add_argument("--steps", type=int, default=None, help="trainer.max_steps of every run; None: the config's")
+    parser.add_argument("--fit-only", action="store_true", help="no evaluate: the parts' curves are the figures")
+    parser.add_argument("--bin", type=int, default=40, help="steps per bin of the JSON's binned training curves")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a setting (dotted, YAML value) over every recipe's, e.g. data.feature_cache=DIR")
     parser.add_argument("--prompts", default=PROMPTS, help="evaluate's prompts")
@@ -219,7 +326,8 @@ def main() -> None:
     records = []
     with ThreadPoolExecutor(args.jobs) as pool:
         runs = [pool.submit(one_run, name, seed, args.work.resolve(), base, args.config, args.threads, args.device,
-                            args.temperatures, extra, args.prompts, evaluate_args) for name, seed in plan]
+                            args.temperatures, args.steps, args.fit_only, extra, args.prompts, evaluate_args)
+                for name, seed in plan]
         for run in runs:
             records.append(run.result())
             print(json.dumps(records[-1]), flush=True)
@@ -232,8 +340,17 @@ def write_result(args: argparse.Namespace, seeds: list[int], names: list[str], r
     for name in names:
         runs = [r for r in records if r["recipe"] == name]
         if runs:
-            recipes[name] = {"settings": RECIPES[name], "seeds": [r["seed"] for r in runs],
-                             **{key: summary(runs, key) for key in ("tau_pooled", "tau_prompt_mean", "fit_s")}}
+            recipes[name] = {"settings": runs[0]["settings"], "seeds": [r["seed"] for r in runs],
+                             **{key: summary(runs, key) for key in ("tau_pooled", "tau_prompt_mean", "fit_s")
+                                if all(key in r for r in runs)}}
+            curves = {key: {r["seed"]: binned(r["curves"][key], args.bin) if key.startswith("train/") else
+                            r["curves"][key] for r in runs}
+                      for key in ("val/tau_served", "train/lilicorr/walk_minus_argmax",
+                                  "val/lilicorr/walk_minus_argmax", "val/lilicorr/tau", "val/lilicorr/argmax_tau",
+                                  "val/lilicorr/oracle_tau")
+                      if all(key in r.get("curves", {}) for r in runs)}
+            if curves:  # served tau and the walk's lead over the unary argmax against steps, per seed
+                recipes[name]["curves"] = curves
             temps = runs[0].get("per_temperature") or {}
             recipes[name]["per_temperature"] = {
                 t: {key: summary([{key: r["per_temperature"][t][key]} for r in runs], key)
@@ -241,7 +358,8 @@ def write_result(args: argparse.Namespace, seeds: list[int], names: list[str], r
                     if all(r["per_temperature"].get(t, {}).get(key) is not None for r in runs)}
                 for t in temps}
     result = {
-        "date": time.strftime("%Y-%m-%d"), "config": args.config, "seeds": seeds, "prompts": args.prompts,
+        "date": time.strftime("%Y-%m-%d"), "config": args.config, "seeds": seeds, "steps": args.steps,
+        "curve_bin_steps": args.bin, "prompts": args.prompts,
         "command": "python benchmarks/objective_ab.py " + " ".join(sys.argv[1:]),
         "recipes": recipes, "runs": records,
     }

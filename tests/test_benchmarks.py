@@ -238,3 +238,41 @@ def test_fit_bench_cpu_smoke_times_saves_and_a_preemption_through_the_user_fit(t
     assert sizes["runs/qwen3-8b/checkpoints/last.ckpt"] == 0 and sizes["runs/qwen3-8b/checkpoints/step=9.ckpt"] > 0
     assert any("training stalled" in line for line in result["checkpoint_lines"])
     assert not list(tmp_path.rglob("*.ckpt"))  # --clean: sizes recorded, files gone
+
+
+def test_objective_ab_curves_pair_the_walk_with_the_argmax_and_the_lattice_recipes_check(tmp_path):
+    """The A/B's LiLiCorr curves: walk minus argmax at each step both were logged, binned means; the lattice recipes
+    name LiLiCorr settings the tiny drafter (width 128) accepts, each with a token_proj; the scaled recipe gives the
+    tiny choice on the tiny target."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    import pytest
+    import yaml
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from objective_ab import RECIPES, binned, part_curves
+    finally:
+        sys.path.pop(0)
+    from dflash_lightning.parts.lilicorr import LiLiCorrSettings
+
+    log = tmp_path / "dflash/version_0/metrics.csv"
+    log.parent.mkdir(parents=True)
+    log.write_text("step,train/lilicorr/tau,train/lilicorr/argmax_tau,val/lilicorr/tau,val/lilicorr/argmax_tau\n"
+                   "7,2.0,1.5,,\n15,3.0,2.0,,\n23,2.5,2.5,,\n23,,,4.0,3.0\n")
+    curves = part_curves(tmp_path)
+    assert curves["train/lilicorr/walk_minus_argmax"] == [[7, 0.5], [15, 1.0], [23, 0.0]]
+    assert curves["val/lilicorr/walk_minus_argmax"] == [[23, 1.0]]
+    assert binned(curves["train/lilicorr/walk_minus_argmax"], 16) == [[16, 0.75], [32, 0.0]]
+    lattices = [name for name, r in RECIPES.items() if "model.drafter.lilicorr.token_proj_std" in r]
+    assert {"lilicorr-conv-tokens", "lilicorr-conv-tokens-warm", "lilicorr-conv-tokens-scaled"} <= set(lattices)
+    base = yaml.safe_load((ROOT / "configs/tiny.yaml").read_text())
+    prefix = "model.drafter.lilicorr."
+    for name in lattices:  # the scaled ones computed from the tiny target (H 128, embedding rows of norm 0.40)
+        settings = {k[len(prefix):]: v(base) if callable(v) else v for k, v in RECIPES[name].items()
+                    if k.startswith(prefix)}
+        replace(LiLiCorrSettings(), **settings).check(SimpleNamespace(hidden_size=128, vocab_size=4032))
+        assert settings["hidden_size"] != 128, name
+        if "scaled" in name:  # the tiny choice again, from the rule
+            assert settings == {"hidden_size": 64, "factor_dim": 128, "token_proj_std": pytest.approx(2.0, abs=0.02)}

@@ -302,6 +302,21 @@ def test_fresh_reranker_init_and_gradients_reach_the_backbone():
     assert m.out_head.weight.grad.abs().sum() > 0 and m.feature_mlp.up_proj.weight.grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("std", [None, 0.7])
+def test_token_proj_std_sets_token_projs_init_alone(std):
+    """token_proj starts at normal(0, token_proj_std) (None: 0.02 as every Linear); every other weight draws the same
+    numbers either way, so the setting moves the candidate-token gain and nothing else."""
+    wide = replace(SETTINGS, hidden_size=64, num_heads=2)  # [64, 16]: enough draws for the std
+    torch.manual_seed(0)
+    m = LiLiCorrReranker(drafter_config(replace(wide, token_proj_std=std)))
+    torch.manual_seed(0)
+    plain = LiLiCorrReranker(drafter_config(wide))
+    assert float(m.token_proj.weight.std()) == pytest.approx(std or 0.02, rel=0.1)
+    assert not m.token_proj.bias.any()
+    others = {k: v for k, v in m.state_dict().items() if k != "token_proj.weight"}
+    assert all(torch.equal(v, plain.state_dict()[k]) for k, v in others.items())
+
+
 # ---- training rule and losses -------------------------------------------------------------------------------------
 
 
@@ -623,7 +638,8 @@ def test_training_path_compiles_once_without_host_syncs():
 
 ENGINE = os.environ.get("DFLASH_ENGINE_PYTHON", "")
 ENGINE_CASES = [SETTINGS, LiLiCorrSettings(candidate_topk=8, hidden_size=0, factor_dim=12, num_layers=1, num_heads=4,
-                                           mlp_ratio=2.0, logit_scale=5.0, vector_eps=1e-3)]
+                                           mlp_ratio=2.0, logit_scale=5.0, vector_eps=1e-3),
+                replace(SETTINGS, hidden_size=32, token_proj_std=0.5)]  # a token_proj wider than the drafter (issue 43)
 
 
 def engine_case(settings: LiLiCorrSettings) -> tuple[dict, dict]:
@@ -736,6 +752,12 @@ def test_bad_lilicorr_fields_are_refused(edit, message):
     (dict(candidate_topk=32), "power of two in 1..16"),
     (dict(hidden_size=0, num_heads=3), r"hidden_size \(16 = the drafter width\) must be divisible by num_heads"),
     (dict(vector_eps=0.0), r"vector_eps must be in \(0, 0.5\)"),
+    (dict(token_proj_std=0.0), r"lilicorr\.token_proj_std must be > 0 and finite"),
+    (dict(token_proj_std=float("nan")), r"lilicorr\.token_proj_std must be > 0 and finite"),
+    (dict(hidden_size=0, token_proj_std=0.5), r"lilicorr\.token_proj_std \(0\.5\) is set but the lattice has no "
+                                              r"token_proj \(hidden_size 0: the drafter's width 16, so Hh = H\)"),
+    (dict(hidden_size=H, token_proj_std=0.5), r"lilicorr\.token_proj_std \(0\.5\) is set but the lattice has no "
+                                              r"token_proj \(hidden_size 16"),
 ])
 def test_settings_refuse_what_cannot_work(change, message):
     with pytest.raises(ConfigError, match=message):

@@ -5,6 +5,7 @@ the presets: tests/test_contract.py)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -12,11 +13,12 @@ from test_features_cache import SHARD_GB, setup  # noqa: F401 (fixture)
 from test_speculative import random_drafter, random_prompts, target  # noqa: F401 (fixture)
 
 from dflash_lightning.blocks import slot_weights
-from dflash_lightning.config import ConfigError
+from dflash_lightning.config import ConfigError, DrafterConfig
 from dflash_lightning.decoding.speculative import SpeculativeDecoder
-from dflash_lightning.export import import_folder
+from dflash_lightning.export import import_folder, write_folder
+from dflash_lightning.model import DFlashDrafter
 from dflash_lightning.parts.convolutions import ConvSettings
-from dflash_lightning.parts.lilicorr import LiLiCorrSettings, greedy_walk
+from dflash_lightning.parts.lilicorr import GEOMETRY, LiLiCorrSettings, greedy_walk
 
 # small geometry for the tiny target (H 64, V 64): K 4, Hh 16, F 8, one layer of two heads
 LATTICE = LiLiCorrSettings(candidate_topk=4, hidden_size=16, factor_dim=8, num_layers=1, num_heads=2)
@@ -60,6 +62,29 @@ def test_the_decoders_walk_is_the_training_lattices_over_a_whole_prefix(target):
     walked = cand.gather(-1, greedy_walk(start, pair)[..., None])[..., 0]  # [steps, B-1]
     assert len(decoder.steps) > 4  # several blocks, each at p > 0 (c_{p-1} read)
     assert walked.tolist() == [drafts for _, drafts in decoder.steps]
+
+
+@pytest.mark.parametrize("hidden_size,std", [(16, 0.7), (0, None)], ids=["token_proj", "no-token_proj"])
+def test_a_folder_is_section_11s_whatever_the_token_proj_init(target, tmp_path, hidden_size, std):  # noqa: F811
+    """token_proj_std is a training setting: through the drafter's own init it sets token_proj's std, and the folder
+    holds section 11's fields and weight names (token_proj exactly when Hh != H), nothing of the setting."""
+    from safetensors import safe_open
+    from test_lilicorr import section_11_names
+
+    lattice = replace(LATTICE, hidden_size=hidden_size, token_proj_std=std)
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(DrafterConfig(num_layers=1, block_size=8, mask_token_id=52, gamma=4.0,
+                                          **{**LILICORR_CONV, "lilicorr": lattice}).resolved(target.config))
+    if std is not None:  # the backbone's generic init ran first; the part's own wins
+        assert float(drafter.lilicorr.token_proj.weight.std()) == pytest.approx(std, rel=0.1)
+    folder = write_folder(drafter.config, drafter.state_dict(), tmp_path / "d")
+    dflash = json.loads((folder / "config.json").read_text())["dflash_config"]
+    assert {k for k in dflash if k.startswith("lilicorr")} == {"lilicorr_enabled", *(f"lilicorr_{n}" for n in GEOMETRY)}
+    with safe_open(folder / "model.safetensors", "pt") as f:
+        names = {k for k in f.keys() if k.startswith("lilicorr.")}
+    assert names == section_11_names(1, token_proj=hidden_size not in (0, target.config.hidden_size))
+    assert import_folder(folder)[0].lilicorr == replace(lattice, token_proj_std=None)
+
 
 
 def test_a_lilicorr_step_without_the_final_hidden_state_is_refused_naming_the_setting(target):  # noqa: F811

@@ -67,6 +67,7 @@ BAD = {  # (part, field) -> (a value its part refuses, the line's start); None: 
     ("lilicorr", "ce_weight"): (-1.0, "lilicorr.ce_weight must be >= 0, got -1.0"),
     ("lilicorr", "margin_weight"): (-1.0, "lilicorr.margin_weight must be >= 0, got -1.0"),
     ("lilicorr", "penalty_weight"): (-1.0, "lilicorr.penalty_weight must be >= 0, got -1.0"),
+    ("lilicorr", "token_proj_std"): (0.0, "lilicorr.token_proj_std must be > 0 and finite (None: 0.02), got 0.0"),
     ("dspark_heads", "markov_rank"): (0, "dspark_heads.markov_rank must be >= 1, got 0"),
     ("dspark_heads", "confidence_with_markov"): None,
     ("dspark_heads", "ce_weight"): (-1.0, "dspark_heads.ce_weight must be >= 0, got -1.0"),
@@ -158,7 +159,7 @@ def test_a_part_setting_under_a_variant_without_the_part_is_refused_naming_the_v
         for variant in (v for v, p in PRESETS.items() if part not in p.parts):
             for f in fields(part.settings_type):
                 other = {"bool": lambda x: not x, "int": lambda x: x + 1}.get(
-                    f.type, lambda x: x + "_" if isinstance(x, str) else x * 2 + 1)
+                    f.type, lambda x: 1.0 if x is None else x + "_" if isinstance(x, str) else x * 2 + 1)  # None: unset
                 value = other(getattr(part.settings_type(), f.name))
                 cfg = DrafterConfig(variant=variant, **{part.name: replace(part.settings_type(), **{f.name: value})})
                 with pytest.raises(ConfigError) as err:

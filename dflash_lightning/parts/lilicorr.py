@@ -60,6 +60,9 @@ class LiLiCorrSettings:
     """Weight of L_margin, relu(2 + best other score - label score) (the 'margin' recipe: 0.125, with ce 0.125)."""
     penalty_weight: float = 0.25
     """Weight of L_pen, the walk's probability on candidates the target ranks below the label, times the gap."""
+    token_proj_std: float | None = None
+    """Init std of token_proj's weight (a training choice, not exported); None: 0.02 as every Linear. Only with a
+    token_proj (Hh != H): the candidate's frozen embedding row enters at this gain (docs/lilicorr.md)."""
 
     def check(self, config: Any) -> None:
         """Raise ConfigError naming the field of a value that cannot work for the drafter `config`."""
@@ -88,6 +91,16 @@ class LiLiCorrSettings:
         for name in ("ce_weight", "margin_weight", "penalty_weight"):
             if not getattr(self, name) >= 0:
                 raise ConfigError(f"lilicorr.{name} must be >= 0, got {getattr(self, name)}")
+        std = self.token_proj_std
+        if std is not None:
+            if not 0 < std < float("inf"):
+                raise ConfigError(f"lilicorr.token_proj_std must be > 0 and finite (None: 0.02), got {std}")
+            drafter = getattr(config, "hidden_size", None)
+            if not self.hidden_size or self.hidden_size == drafter:
+                width = f"{drafter}, " if drafter else ""
+                raise ConfigError(f"lilicorr.token_proj_std ({std}) is set but the lattice has no token_proj "
+                                  f"(hidden_size {self.hidden_size}: the drafter's width {width}so Hh = H); set "
+                                  "hidden_size to another width, or leave token_proj_std unset")
         if not (self.ce_weight or self.margin_weight or self.penalty_weight):
             raise ConfigError("lilicorr: ce_weight, margin_weight and penalty_weight are all 0, so the reranker "
                               "would never train; set one above 0")
@@ -297,7 +310,8 @@ class LiLiCorrReranker(Part):
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02) -> None:
-        """Linear weights normal(0, std), biases 0, in_proj_weight xavier-uniform, tables 0, norms 1."""
+        """Linear weights normal(0, std) (token_proj: `token_proj_std` where set), biases 0, in_proj_weight
+        xavier-uniform, tables 0, norms 1."""
         for m in self.modules():
             if isinstance(m, nn.Linear):
                 nn.init.normal_(m.weight, std=std)
@@ -309,6 +323,8 @@ class LiLiCorrReranker(Part):
                 nn.init.zeros_(m.in_proj_bias)
         for table in (self.slot_embedding, self.rank_embedding, self.relative_slot_bias, self.same_slot_bias):
             nn.init.zeros_(table)
+        if self.token_proj is not None and self.settings.token_proj_std is not None:
+            nn.init.normal_(self.token_proj.weight, std=self.settings.token_proj_std)
 
     def states(self, token_embeddings: Tensor, log_probs: Tensor, pass_hidden: Tensor) -> Tensor:
         """x = token_proj(E[c]) + pass_hidden_proj(h_t) + slot_embedding[t] + rank_embedding[j] + feature_mlp(
