@@ -27,6 +27,13 @@ the chosen lattice served against DFlash2, a longer run and a warm start from th
     python benchmarks/objective_ab.py --recipes dflash2-dpace-ce,lilicorr-conv-tokens,lilicorr-conv-tokens-warm \
         --seeds 0,1 --temperatures 0,0.6,1 --out Y.json
 
+XPress against DFlash2 and DSpark (issue 44; not yet run): `xpress` drafts as vLLM 0.34 serves it (the greedy Jacobi
+block, point masses at T > 0), `xpress-gumbel` with the xPress harness's sampled drafts and their q at T > 0 (the same
+at T 0), `xpress-prev0-anchor` trains with the anchor as prev_0, which is what vLLM feeds when it serves:
+
+    python benchmarks/objective_ab.py --recipes dflash2-dpace-ce,dspark,xpress,xpress-gumbel,xpress-prev0-anchor \
+        --temperatures 0,0.6,1 --seeds 0,1 --device cuda --out benchmarks/results/tiny-xpress-ab.json
+
 Domino against DFlash2 and DSpark at the tiny default's block size (issue 44; not yet run):
 
     python benchmarks/objective_ab.py --recipes dflash2-dpace-ce,dspark,domino --temperatures 0,0.6,1 --device cuda \
@@ -57,6 +64,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DPACE = {"model.objective": "ce", "model.loss_weights": "dpace"}
 TINY_LATTICE = {"model.drafter.lilicorr.hidden_size": 0, "model.drafter.lilicorr.factor_dim": 128}
 B7 = {"model.drafter.block_size": 7, "model.drafter.gamma": 4.0}
+XPRESS = {"model.objective": "ce", "model.loss_weights": "decay", "model.drafter.variant": "xpress"}
 LILICORR_CONV = {**DPACE, "model.drafter.variant": "lilicorr-conv"}
 
 
@@ -110,6 +118,10 @@ RECIPES = {
     "dflash2-dpace-ce": {"model.objective": "ce", "model.loss_weights": "dpace", "model.drafter.variant": "dflash2"},
     # DSpark (docs/dspark.md): its own loss (decay weights exp(-k/4), reads the target's final hidden states)
     "dspark": {"model.objective": "ce", "model.loss_weights": "decay", "model.drafter.variant": "dspark"},
+    # XPress (docs/xpress.md): its own loss (decay weights exp(-(k-1)/4), reads the target's final hidden states)
+    "xpress": XPRESS,
+    "xpress-gumbel": {**XPRESS, "model.drafter.xpress.sampled_drafts": True},
+    "xpress-prev0-anchor": {**XPRESS, "model.drafter.xpress.prev0": "anchor"},
     # Domino (docs/domino.md): its own loss (CE on the corrected and the base logits, lambda 1 -> 0 over the run,
     # decay weights exp(-k/7)); GRU and projector at ModelOpt's proportions to the width (1024 and 256 of 4096)
     "domino": {"model.objective": "ce", "model.loss_weights": "decay", "model.drafter.variant": "domino",
@@ -223,13 +235,12 @@ def one_run(name: str, seed: int, work: Path, base: dict, config_name: str, thre
     return record
 
 
-PART_METRICS = ("train/selector", "train/lilicorr", "train/dspark", "train/domino")  # the parts' own (docs/parts.md)
+PART_METRICS = ("train/selector", "train/lilicorr", "train/dspark", "train/domino", "train/xpress")  # docs/parts.md
 
 
 def _last_selector_metrics(run_dir: Path) -> dict:
     """The last logged values of the parts' metrics (DFlash2's selector, LiLiCorr's lattice, DSpark's heads, Domino's
-    correction) and of
-    train/tau, val/tau and val/loss in a run's CSV log."""
+    correction, XPress's refiner) and of train/tau, val/tau and val/loss in a run's CSV log."""
     import csv
 
     out: dict = {}

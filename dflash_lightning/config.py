@@ -18,6 +18,7 @@ from dflash_lightning.parts.dspark import DSparkSettings
 from dflash_lightning.parts.lilicorr import LiLiCorrSettings
 from dflash_lightning.parts.presets import ALL_PARTS, DEFAULT_VARIANT, PRESETS, Preset, preset
 from dflash_lightning.parts.selector import SelectorSettings
+from dflash_lightning.parts.xpress import XPressSettings
 
 # Attention types of a drafter layer, named as config.json's `layer_types` names them (docs/method.md section 3b).
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -54,7 +55,7 @@ class DrafterConfig:
     """Target decoder layers whose outputs form the context feature; None: the DFlash default spread."""
     gamma: float | None = None
     """Loss decay over slots, w_k = exp(-(k-1)/gamma) (anchor-first blocks: exp(-k/gamma)); None: the block
-    layout's default, 7 for B=16, 5 for B=10, 4 for B=8 (dspark: 4, domino: 7)."""
+    layout's default, 7 for B=16, 5 for B=10, 4 for B=8 (dspark and xpress: 4, domino: 7)."""
     hidden_size: int | None = None
     """Drafter width H; must equal the target's (the head and embedding are the target's)."""
     intermediate_size: int | None = None
@@ -91,7 +92,8 @@ class DrafterConfig:
     """The preset of parts on the DFlash backbone (docs/parts.md): `dflash`; `dflash2`, + block convolutions and a
     candidate selector (docs/method.md 10); `lilicorr`, + a candidate-lattice reranker (section 11);
     `lilicorr-conv`, + the reranker and the block convolutions; `dspark`, anchor-first blocks + Markov and confidence
-    heads (section 12); `domino`, anchor-first blocks + a GRU prefix correction of the logits (section 13). A part's
+    heads (section 12); `domino`, anchor-first blocks + a GRU prefix correction of the logits (section 13); `xpress`,
+    + a causal low-rank refiner resolved by Jacobi passes (section 14). A part's
     settings below are read only by a variant that has the part; one given another value than its default under a
     variant without the part is refused (docs/parts.md)."""
     conv: ConvSettings = field(default_factory=ConvSettings)
@@ -104,6 +106,8 @@ class DrafterConfig:
     """Markov and confidence heads (dspark)."""
     domino: DominoSettings = field(default_factory=DominoSettings)
     """GRU prefix correction and its base-to-final loss curriculum (domino)."""
+    xpress: XPressSettings = field(default_factory=XPressSettings)
+    """Causal low-rank refiner and its Jacobi decoding (xpress)."""
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Unpickle a config of any version (a checkpoint's hyper-parameters), the flat fields of old ones moved."""

@@ -30,7 +30,7 @@ from dflash_lightning.long_runs.atomic import write_dir_atomic
 from dflash_lightning.long_runs.checkpointing import CheckpointError, load_checkpoint, nonfinite_weights
 from dflash_lightning.long_runs.distributed_checkpoint import is_distributed_checkpoint
 from dflash_lightning.model import DFlashDrafter
-from dflash_lightning.parts.presets import preset, variant_of_folder
+from dflash_lightning.parts.presets import ALL_PARTS, preset, variant_of_folder
 from dflash_lightning.target_model import DTYPES, load_target_config, load_target_io, weight_map
 
 log = logging.getLogger(__name__)
@@ -201,15 +201,15 @@ def config_from_hf(raw: dict[str, Any]) -> DrafterConfig:
         is_causal=None if raw.get("is_causal") is None else bool(raw["is_causal"]),
         variant=variant, **parts,
     )
-    # gamma is a training choice a folder does not carry; check everything else, naming a part's field as the
-    # folder does
+    # gamma is a training choice a folder does not carry; check everything else, naming a part's field as and where
+    # the folder has it (dflash_config, or the top level where a part writes its fields there)
     try:
         replace(cfg, gamma=cfg.gamma or 1.0).check()
     except ConfigError as err:
         message = str(err)
         for part in cfg.preset.parts:
             for key, name in part.config_fields.items():
-                message = message.replace(f"{part.name}.{name}", f"dflash_config.{key}")
+                message = message.replace(f"{part.name}.{name}", f"dflash_config.{key}" if key in dflash else key)
         raise ConfigError(f"drafter config.json: {message}") from err
     return cfg
 
@@ -387,27 +387,37 @@ def _link_or_copy(src: str | Path, dst: str | Path) -> None:
         shutil.copy2(src, dst)
 
 
-def import_folder(folder: str | Path) -> tuple[DrafterConfig, dict[str, Tensor]]:
-    """DrafterConfig and weights of a drafter folder (exported here or published), checked key by key."""
+def import_folder(folder: str | Path, num_target_layers: int | None = None) -> tuple[DrafterConfig, dict[str, Tensor]]:
+    """DrafterConfig and weights of a drafter folder (exported here, published, or another trainer's own format that a
+    part converts: `Part.convert_folder`), checked key by key. `num_target_layers`: the target's layer count, for
+    a folder that does not record it."""
     from safetensors.torch import load_file
 
     folder = Path(folder)
     config_file = folder / "config.json"
     if not config_file.exists():
         raise FileNotFoundError(f"{folder}: no config.json")
-    cfg = config_from_hf(json.loads(config_file.read_text()))
+    raw = json.loads(config_file.read_text())
     state: dict[str, Tensor] = {}
     for name in sorted(set(weight_map(folder).values())):
         state.update(load_file(folder / name))
+    for part in ALL_PARTS:
+        converted = part.convert_folder(raw, state, str(folder), num_target_layers)
+        if converted is not None:
+            raw, state = converted
+            break
+    cfg = config_from_hf(raw)
     check_state_dict(cfg, state, str(folder))
     return cfg, state
 
 
-def read_drafter(path: str | Path) -> tuple[DrafterConfig, dict[str, Tensor], str | None]:
-    """Config, weights and (for a checkpoint) target path of a Lightning `.ckpt` or an exported folder."""
+def read_drafter(path: str | Path, num_target_layers: int | None = None
+                 ) -> tuple[DrafterConfig, dict[str, Tensor], str | None]:
+    """Config, weights and (for a checkpoint) target path of a Lightning `.ckpt` or an exported folder
+    (`num_target_layers`: the target's layer count, for a folder that does not record it)."""
     path = Path(path)
     if path.is_dir() and not is_distributed_checkpoint(path):
-        return (*import_folder(path), None)
+        return (*import_folder(path, num_target_layers), None)
     if not path.exists():
         raise FileNotFoundError(f"no drafter checkpoint or folder at '{path}'")
     return read_checkpoint(path)
@@ -492,7 +502,7 @@ def print_serve_commands(folder: Path, cfg: DrafterConfig, target: str | None, d
             print(note)
     if target is None:
         print("TARGET_MODEL: the target model the drafter was trained for")
-    if dtype == "float32":
+    if dtype == "float32" and "sglang" in commands:
         print("float32 weights: SGLang's --dtype auto serves a float32 config in float16; against a bfloat16 target "
               "export with --dtype bfloat16")
 

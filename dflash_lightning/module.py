@@ -564,8 +564,8 @@ def warm_start(drafter: DFlashDrafter, path: str) -> None:
     """
     from dflash_lightning.export import read_drafter
 
-    cfg, state, _ = read_drafter(path)
     mine = drafter.config
+    cfg, state, _ = read_drafter(path, mine.num_target_layers)
     theirs, ours = set(cfg.preset.parts), set(mine.preset.parts)
     unshared = set(PART_SETTINGS) - {p.name for p in theirs & ours}  # settings of a part not in both: unread
     skip = {"variant", *cfg.training_fields(), *mine.training_fields()}

@@ -63,6 +63,8 @@ def test_objective_ab_run_config_moves_every_output_and_sets_the_recipe(tmp_path
     assert cfg["target"]["path"] == base["target"]["path"] and "fp8" not in base["target"]
     cfg = run_config(base, tmp_path / "run", 0, RECIPES["dflash2-dpace-ce"])
     assert cfg["model"]["drafter"] == {**base["model"]["drafter"], "variant": "dflash2"}
+    cfg = run_config(base, tmp_path / "run", 0, RECIPES["xpress-prev0-anchor"])  # a part's setting, nested
+    assert cfg["model"]["drafter"]["xpress"] == {"prev0": "anchor"} and cfg["model"]["loss_weights"] == "decay"
     cfg = run_config(base, tmp_path / "run", 0, RECIPES["domino"])  # the ranking's recipe makes a valid module
     from dflash_lightning.config import DrafterConfig
     from dflash_lightning.module import DFlashModule

@@ -38,6 +38,7 @@ from dflash_lightning.parts.dspark import DSparkSettings
 from dflash_lightning.parts.lilicorr import LiLiCorrSettings
 from dflash_lightning.parts.presets import ALL_PARTS, PRESETS, Preset, preset
 from dflash_lightning.parts.selector import SelectorSettings
+from dflash_lightning.parts.xpress import XPressSettings
 from dflash_lightning.target_model import load_target_config, tokenizer_ids
 
 PACKAGE = Path(dflash_lightning.__file__).parent
@@ -47,6 +48,8 @@ TINY = {
     "lilicorr": LiLiCorrSettings(candidate_topk=4, hidden_size=16, factor_dim=8, num_layers=1, num_heads=2),
     "dspark_heads": DSparkSettings(markov_rank=4),
     "domino": DominoSettings(gru_hidden_dim=8, emb_dim=4),
+    # 2 Jacobi passes: blocks of 4 and 8 drafted unconverged; Gumbel drafts with their q where sampled
+    "xpress": XPressSettings(rank=16, mlp_hidden=64, num_passes=2, sampled_drafts=True),
 }
 """Settings of every part small enough for the tiny targets (width 32 or 64, vocabulary 5 or 69)."""
 VARIANTS = list(PRESETS)
@@ -98,12 +101,13 @@ def test_each_part_is_registered_once():
 def test_parts_that_name_different_layouts_cannot_share_a_preset():
     """A preset's layout is its parts' (section 3's where none names one); two that disagree are refused where the
     preset is made."""
-    fill_in, anchor_first = (part for part in ALL_PARTS if part.layout is None), [
-        part for part in ALL_PARTS if part.layout is not None]
-    assert Preset((next(fill_in), anchor_first[0]), "X").layout == anchor_first[0].layout
-    other = type("Other", (anchor_first[0],), {"layout": replace(anchor_first[0].layout, last_slot_drafts=False)})
+    fill_in = next(part for part in ALL_PARTS if part.layout is None)
+    named = [part for part in ALL_PARTS if part.layout is not None]
+    for part in named:
+        assert Preset((fill_in, part), "X").layout == part.layout
+    other = type("Other", (named[0],), {"layout": replace(named[0].layout, last_slot_drafts=False)})
     with pytest.raises(ValueError, match="the parts of a preset name different block layouts: "):
-        Preset((anchor_first[0], other), "X")
+        Preset((named[0], other), "X")
 
 
 def test_no_file_outside_parts_names_a_part():
@@ -155,20 +159,25 @@ def test_serve_commands_follow_the_preset_and_its_layout(folders, variant, monke
     cfg, row = drafter.config, drafter.config.preset
     commands = serve_commands(folder, cfg, "T")
     assert ("vllm" in commands) == (row.vllm_method is not None)
-    if row.vllm_method is not None:
+    assert ("sglang" in commands) == (row.sglang_algorithm is not None)
+    if "vllm" in commands:
         spec = json.loads(commands["vllm"].split("--speculative-config ", 1)[1].strip("'"))
         extra = {k: v for part in row.parts for k, v in part.speculative_config(getattr(cfg, part.name)).items()}
         assert spec == {"method": row.vllm_method, "model": str(folder),
                         "num_speculative_tokens": cfg.layout.drafts(cfg.block_size), **extra}
-    flags = [flag for part in row.parts for flag in part.sglang_args(getattr(cfg, part.name))]
-    assert commands["sglang"].endswith(" ".join([f"--speculative-{row.sglang_algorithm.lower()}-block-size "
-                                                 f"{cfg.block_size}", *flags]))
-    assert f"--speculative-algorithm {row.sglang_algorithm} " in commands["sglang"]
+    if "sglang" in commands:
+        flags = [flag for part in row.parts for flag in part.sglang_args(getattr(cfg, part.name))]
+        assert commands["sglang"].endswith(" ".join([f"--speculative-{row.sglang_algorithm.lower()}-block-size "
+                                                     f"{cfg.block_size}", *flags]))
+        assert f"--speculative-algorithm {row.sglang_algorithm} " in commands["sglang"]
+    print_serve_commands(folder, cfg, "T", "bfloat16")
+    printed = capsys.readouterr().out
+    assert ("SGLang: no runtime serves this drafter" in printed) == ("sglang" not in commands)
     monkeypatch.setitem(PRESETS, variant, replace(row, vllm_method=None))
     print_serve_commands(folder, cfg, "T", "bfloat16")
     printed = capsys.readouterr().out
     assert "vllm serve" not in printed and "vLLM: no runtime serves this drafter" in printed
-    assert "sglang.launch_server" in printed
+    assert ("sglang.launch_server" in printed) == ("sglang" in commands)
     notes = [note for part in row.parts for note in part.serve_notes(getattr(cfg, part.name))]
     assert all(f"\n{note}\n" in printed for note in notes)
 

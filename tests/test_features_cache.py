@@ -462,6 +462,17 @@ def check_cache_trains_a_part_offline(setup: dict, tmp_path: Path, args: list[st
     return cli
 
 
+XPRESS_ARGS = ["--model.drafter.variant=xpress", "--model.loss_weights=decay", "--model.objective=ce",
+               "--model.drafter.xpress.rank=16", "--model.drafter.xpress.mlp_hidden=64"]
+
+
+def test_a_cache_written_for_xpress_holds_the_final_hidden_state_and_trains_it_offline(setup, tmp_path):
+    """XPress's loss distils the target's distribution (docs/method.md 14): `cache` stores the final hidden states for
+    its config by default, a fit reads them, a cache without them is refused naming the flag."""
+    cli = check_cache_trains_a_part_offline(setup, tmp_path, XPRESS_ARGS)
+    assert cli.model.drafter.xpress_head.mix.L.abs().sum() > 0  # the refiner trained (its mixer starts at 0)
+
+
 def test_domino_trains_from_a_cache_without_the_final_hidden_states(setup, tmp_path):
     """Domino reads the target's embedding and no final hidden state: a 2-step fit from the plain bf16 cache through
     the CLI, its curriculum over the Trainer's real total (lambda 1, then 0.5 at the second step)."""

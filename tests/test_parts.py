@@ -44,7 +44,7 @@ def test_no_code_outside_the_preset_table_names_a_variant():
 
 def test_unknown_variant_is_refused_naming_the_presets():
     with pytest.raises(ConfigError, match="variant: unknown drafter variant 'dflash3'; use dflash or dflash2 or "
-                                          "lilicorr or lilicorr-conv or dspark"):
+                                          "lilicorr or lilicorr-conv or dspark or domino or xpress"):
         preset("dflash3")
 
 

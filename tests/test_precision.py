@@ -147,7 +147,7 @@ def test_served_decoding_sees_plain_linears_over_the_same_weights(tiny_target, m
 
 
 @pytest.mark.parametrize("name", ["qwen3-8b.yaml", "qwen3-8b-dflash2.yaml", "qwen3-8b-lilicorr.yaml",
-                                  "qwen3-8b-long.yaml", "llama3.1-8b.yaml"])
+                                  "qwen3-8b-xpress.yaml", "qwen3-8b-long.yaml", "llama3.1-8b.yaml"])
 def test_gpu_configs_keep_fp32_master_weights_and_compile_the_target(name):
     import yaml
     from test_cli import CONFIGS

@@ -73,6 +73,17 @@ BAD = {  # (part, field) -> (a value its part refuses, the line's start); None: 
     ("dspark_heads", "ce_weight"): (-1.0, "dspark_heads.ce_weight must be >= 0, got -1.0"),
     ("dspark_heads", "tv_weight"): (-1.0, "dspark_heads.tv_weight must be >= 0, got -1.0"),
     ("dspark_heads", "confidence_weight"): (-1.0, "dspark_heads.confidence_weight must be >= 0, got -1.0"),
+    ("xpress", "rank"): (48, "xpress.rank must be a power of two >= 16 (vLLM's Jacobi kernel), got 48"),
+    ("xpress", "mlp_hidden"): (96, "xpress.mlp_hidden must be a multiple of 64 (vLLM's Jacobi kernel), got 96"),
+    ("xpress", "num_passes"): (0, "xpress.num_passes must be >= 1, got 0"),
+    ("xpress", "topc"): (-1, "xpress.topc must be in 0..vocab_size (0: the full vocabulary), got -1"),
+    ("xpress", "sampled_drafts"): None,
+    ("xpress", "consistency_rounds"): (-1, "xpress.consistency_rounds must be >= 0, got -1"),
+    ("xpress", "consistency_weight"): (-1.0, "xpress.consistency_weight must be >= 0, got -1.0"),
+    ("xpress", "base_weight"): (-1.0, "xpress.base_weight must be >= 0, got -1.0"),
+    ("xpress", "ce_weight"): (-1.0, "xpress.ce_weight must be >= 0, got -1.0"),
+    ("xpress", "tv_weight"): (-1.0, "xpress.tv_weight must be >= 0, got -1.0"),
+    ("xpress", "prev0"): ("before", "xpress.prev0 must be 'previous' or 'anchor', got 'before'"),
     ("domino", "gru_hidden_dim"): (0, "domino.gru_hidden_dim must be an integer >= 1, got 0"),
     ("domino", "emb_dim"): (0, "domino.emb_dim must be an integer >= 1, got 0"),
     ("domino", "pure_draft_prefix_len"): (2, "domino.pure_draft_prefix_len must be 1 (SGLang 0.5.23, the one engine "
@@ -120,6 +131,11 @@ def test_settings_that_together_cannot_train_are_refused(tiny_target):
         "selector.top_k must be in 2..vocab_size (")
     assert refused(DrafterConfig(block_size=8), str(tiny_target), topk=(1, 1000)).startswith(
         "model.topk: each k must be in 1..vocab_size (")
+    xpress = next(p for p in ALL_PARTS if p.name == "xpress")
+    assert refused(with_part(xpress, ce_weight=0.0, tv_weight=0.0)) == (
+        "xpress: ce_weight and tv_weight are both 0, so nothing would train; set one above 0")
+    assert refused(with_part(xpress, topc=1000), str(tiny_target), loss_weights="decay") == (
+        "xpress.topc must be in 0..vocab_size (60) (0: the full vocabulary), got 1000")
 
 
 # ---------------------------------------------------------------------------- a part the variant does not have
@@ -143,7 +159,7 @@ def test_a_part_setting_under_a_variant_without_the_part_is_refused_naming_the_v
         for variant in (v for v, p in PRESETS.items() if part not in p.parts):
             for f in fields(part.settings_type):
                 other = {"bool": lambda x: not x, "int": lambda x: x + 1}.get(
-                    f.type, lambda x: 1.0 if x is None else x * 2 + 1)  # a float, or None: unset
+                    f.type, lambda x: 1.0 if x is None else x + "_" if isinstance(x, str) else x * 2 + 1)  # None: unset
                 value = other(getattr(part.settings_type(), f.name))
                 cfg = DrafterConfig(variant=variant, **{part.name: replace(part.settings_type(), **{f.name: value})})
                 with pytest.raises(ConfigError) as err:

@@ -30,11 +30,13 @@ def load_served(drafter: str, target: str | None, device: str, dtype: str) -> tu
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dflash_lightning.export import build_drafter, read_drafter
-    from dflash_lightning.target_model import DTYPES, resolve_model_dir
+    from dflash_lightning.target_model import DTYPES, load_target_config, resolve_model_dir
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    cfg, state, ckpt_target = read_drafter(drafter)
+    # the target's layer count, for a drafter folder that does not record it (speculators' own)
+    layers = load_target_config(str(resolve_model_dir(target, "--target"))).num_hidden_layers if target else None
+    cfg, state, ckpt_target = read_drafter(drafter, layers)
     target = target or ckpt_target
     if target is None:
         raise ValueError("--target is needed for an exported drafter folder")

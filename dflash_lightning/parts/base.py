@@ -314,6 +314,9 @@ class Part(nn.Module):
     config_fields: ClassVar[dict[str, str]] = {}
     """dflash_config key -> settings field, in the order export writes them; the other settings fields are
     training choices (loss weights) a folder does not carry."""
+    folder_defaults: ClassVar[dict[str, Any]] = {}
+    """`config_fields` keys the engines read at a default where a folder lacks them (XPress's: vLLM's), so import
+    reads them so too (`read_fields`) instead of refusing the folder."""
     weight_prefix: ClassVar[str | None] = None
     """Where the part sits in the drafter (`drafter.<weight_prefix>`, its weights `<weight_prefix>.*`); None: the
     part places its modules itself (`attach`) and names them in `owns`."""
@@ -492,6 +495,14 @@ class Part(nn.Module):
         """Keys the part adds to vLLM's `--speculative-config` in the serve command `export` prints; none by
         default."""
         return {}
+
+    @classmethod
+    def convert_folder(cls, raw: dict[str, Any], state: dict[str, Tensor], source: str,
+                       num_target_layers: int | None) -> tuple[dict[str, Any], dict[str, Tensor]] | None:
+        """Another trainer's own folder of the part's variant (its config.json `raw` and weights `state`) as the folder
+        export writes and the engines serve, (config.json, weights); None (the default): not such a folder.
+        `num_target_layers` is the target's layer count where the caller knows it (such a folder may not say it)."""
+        return None
 
     @classmethod
     def sglang_args(cls, settings: Any) -> list[str]:

@@ -18,6 +18,8 @@ from dflash_lightning.parts.domino import DominoCorrection
 from dflash_lightning.parts.dspark import DSparkHeads
 from dflash_lightning.parts.lilicorr import LiLiCorrReranker
 from dflash_lightning.parts.selector import CandidateSelector
+from dflash_lightning.parts.xpress import VLLM_ARCHITECTURE as XPRESS_ARCHITECTURE
+from dflash_lightning.parts.xpress import XPress
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,8 @@ PRESETS: dict[str, Preset] = {
                      summary="anchor-first blocks + Markov and confidence heads (section 12)"),
     "domino": Preset((DominoCorrection,), "DFlashDraftModel", vllm_method=None,
                      summary="anchor-first blocks + a GRU prefix correction of the logits (section 13)"),
+    "xpress": Preset((XPress,), XPRESS_ARCHITECTURE, sglang_algorithm=None,
+                     summary="+ a causal low-rank refiner resolved by Jacobi passes (section 14)"),
 }
 """Variant name -> preset. A new variant is a new row; a new kind of part is a new module in parts/."""
 DEFAULT_VARIANT = "dflash"
@@ -90,7 +94,8 @@ def variant_of_folder(architectures: Any, dflash: dict[str, Any], source: str) -
     candidates = {v: p for v, p in PRESETS.items() if p.architecture == name}
     for variant, p in candidates.items():
         if set(p.parts) == set(present) or (set(present) <= set(p.parts) and len(candidates) == 1):
-            missing = [f"dflash_config.{k}" for part in p.parts for k in part.config_fields if dflash.get(k) is None]
+            missing = [f"dflash_config.{k}" for part in p.parts for k in part.config_fields
+                       if dflash.get(k) is None and k not in part.folder_defaults]
             if missing:
                 raise ConfigError(f"{source}: a {name} lacks {', '.join(missing)}")
             return variant

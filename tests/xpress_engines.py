@@ -1,0 +1,131 @@
+"""Run by an engine venv's python (not the project's): build vLLM 0.34's own XPress refiner and speculators 0.9's on the
+CPU, load a drafter's `xpress_head.*` weights through vLLM's `load_weights` (and the converted names through
+speculators' module), and write what they compute for tests/test_xpress.py.
+
+    ENGINE_PYTHON tests/xpress_engines.py IN.pt OUT.pt FILES    (exit 3: vLLM not installed, or FILES incomplete)
+
+FILES is the folder tools/xpress_engine_files.sh fills from the vLLM 0.34.0 and speculators 0.9.0 wheels. The
+engine venv holds vLLM 0.32 for the CPU (no 0.34 build for the CPU exists), which has no XPress: the 0.34 model
+module and its Triton kernels are put on the path of vLLM's own packages here, in this process only, and the kernels
+run in Triton's interpreter (vLLM for the CPU turns Triton off: no CPU backend). The serving-side config class
+(`spec_decode/xpress/config.py`) needs 0.34's speculator-config machinery, which 0.32 lacks; the model module only
+names it, so a stand-in class takes its place.
+
+IN.pt: a list of cases {"vocab_size", "hidden_size", "block_size", "config": the folder's xpress fields, "weights":
+{"xpress_head.<name>": t}, "speculators_weights": {"refiner_head.<name>": t}, "inputs": {"hidden" [N, B, H], "head"
+[V, H], "anchor" [N], "prev" [N, B]}, "num_passes", "topc"}. OUT.pt: one per case {"refined" [N, B, V] (vLLM),
+"speculators_refined" [N, B, V], "greedy" and "greedy_topc" [N, B-1] (vLLM's jacobi_refine_greedy, the anchor as
+prev_0), "missing" / "unexpected" weight names (vLLM's and speculators')}.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import types
+import warnings
+from pathlib import Path
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: its kernels then run on CPU tensors
+
+import torch  # noqa: E402
+
+warnings.filterwarnings("ignore")
+MODEL_FILE = "vllm/model_executor/models/qwen3_xpress.py"
+KERNEL_FILES = ("vllm/v1/worker/gpu/spec_decode/xpress/__init__.py", "vllm/v1/worker/gpu/spec_decode/xpress/kernels.py")
+SPECULATORS_FILE = "speculators/models/xpress/model_definitions.py"
+
+
+def vllm_xpress(files: Path) -> types.ModuleType:
+    """vLLM 0.34's `qwen3_xpress` module, imported into this process's vLLM 0.32."""
+    import triton
+    import triton.language
+    import vllm.model_executor.models as models
+    import vllm.triton_utils as triton_utils
+    import vllm.v1.worker.gpu.spec_decode as spec_decode
+
+    triton_utils.triton, triton_utils.tl = triton, triton.language  # what kernels.py imports: the real Triton
+    models.__path__.append(str(files / "vllm/model_executor/models"))
+    spec_decode.__path__.append(str(files / "vllm/v1/worker/gpu/spec_decode"))
+    config = types.ModuleType("vllm.v1.worker.gpu.spec_decode.xpress.config")
+    config.XPressSpeculatorConfig = type("XPressSpeculatorConfig", (), {})  # only named by the model class
+    sys.modules[config.__name__] = config
+    from vllm.model_executor.models import qwen3_xpress
+
+    return qwen3_xpress
+
+
+def run_vllm(module: types.ModuleType, case: dict) -> dict:
+    from torch import nn
+
+    cfg, x = case["config"], case["inputs"]
+    n = x["hidden"].shape[0]
+    holder = nn.Module()  # Qwen3XPressForCausalLM's head under the name its load_weights gives it
+    holder.model = nn.Module()
+    holder.model.xpress_head = head = module.XPressRefinerHead(
+        vocab_size=case["vocab_size"], hidden_size=case["hidden_size"], block_size=cfg["xpress_block_size"],
+        rank=cfg["xpress_rank"], mlp_hidden=cfg["xpress_mlp_hidden"], max_num_reqs=n, topc=cfg["xpress_topc"])
+    loaded: set[str] = set()
+
+    class Recording(module.AutoWeightsLoader):  # what vLLM's loader loaded (load_weights itself returns None)
+        def load_weights(self, weights, *args, **kwargs):
+            out = super().load_weights(weights, *args, **kwargs)
+            loaded.update(out)
+            return out
+
+    module.AutoWeightsLoader = Recording
+    unexpected = []
+    try:
+        module.Qwen3XPressForCausalLM.load_weights(holder, list(case["weights"].items()))
+    except ValueError as err:  # AutoWeightsLoader raises on a name it has no parameter for
+        unexpected.append(str(err))
+    if "xpress_head.mix.L" in case["weights"]:
+        loaded.add("model.xpress_head.mix_L")  # read raw and folded (L * tril + I) by load_weights itself
+    head.process_weights_after_loading()
+    params = {k for k, _ in holder.named_parameters()}
+    with torch.no_grad():
+        hidden, lm_head, anchor = x["hidden"], x["head"], x["anchor"]
+        base = hidden @ lm_head.T  # [N, B, V] compute_draft_logits: the shared head, scale 1
+        refined = base + head.refine_bias(x["prev"], head.hidden_cache(hidden))
+        out = {"refined": refined}
+        for topc, key in ((0, "greedy"), (case["topc"], "greedy_topc")):
+            head.topc = topc
+            # XPressSpeculator._jacobi_refine: the anchor stands in for the token before it
+            out[key] = head.jacobi_refine_greedy(base, hidden, anchor, anchor, case["num_passes"])[0].clone()
+    return {**out, "missing": sorted(params - loaded), "unexpected": unexpected}
+
+
+def run_speculators(files: Path, case: dict) -> dict:
+    spec = importlib.util.spec_from_file_location("speculators_xpress_heads", files / SPECULATORS_FILE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # torch only
+    cfg, x = case["config"], case["inputs"]
+    head = module.XPressRefinerHead(
+        verifier_vocab_size=case["vocab_size"], draft_vocab_size=case["vocab_size"], hidden_size=case["hidden_size"],
+        block_size=case["block_size"], rank=cfg["xpress_rank"],
+        mlp_ratio=cfg["xpress_mlp_hidden"] // cfg["xpress_rank"])
+    named = {k.removeprefix("refiner_head."): v for k, v in case["speculators_weights"].items()}
+    result = head.load_state_dict(named, strict=False)
+    with torch.no_grad():
+        refined = x["hidden"] @ x["head"].T + head.block_bias(x["prev"], hidden_states=x["hidden"])
+    return {"speculators_refined": refined, "missing": result.missing_keys, "unexpected": result.unexpected_keys}
+
+
+if __name__ == "__main__":
+    cases, files = torch.load(sys.argv[1]), Path(sys.argv[3])
+    if importlib.util.find_spec("vllm") is None:
+        print(f"vllm is not installed in {sys.prefix}", file=sys.stderr)
+        sys.exit(3)
+    absent = [f for f in (MODEL_FILE, *KERNEL_FILES, SPECULATORS_FILE) if not (files / f).is_file()]
+    if absent:
+        print(f"{files} lacks {', '.join(absent)} (tools/xpress_engine_files.sh)", file=sys.stderr)
+        sys.exit(3)
+    module = vllm_xpress(files)
+    outs = []
+    for case in cases:
+        theirs, spec = run_vllm(module, case), run_speculators(files, case)
+        outs.append({**theirs, "speculators_refined": spec["speculators_refined"],
+                     "missing": theirs["missing"] + spec["missing"],
+                     "unexpected": theirs["unexpected"] + spec["unexpected"]})
+    torch.save(outs, sys.argv[2])
