@@ -7,7 +7,6 @@ head's matmuls can run in FP8 with the head pre-quantized once (`dflash_lightnin
 
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -106,8 +105,10 @@ class _HeadLoss(torch.autograd.Function):
             return t[start:end] if t.shape[0] == n else t[start // block_size : end // block_size]
 
         # where each part's inputs and params start in `inputs` and `params`
-        i_first = list(itertools.accumulate((k for k, _ in counts), initial=0))
-        p_first = list(itertools.accumulate((k for _, k in counts), initial=0))
+        i_first, p_first = [0], [0]  # a plain loop: torch 2.7's Dynamo refuses itertools.accumulate(initial=)
+        for k_inputs, k_params in counts:
+            i_first.append(i_first[-1] + k_inputs)
+            p_first.append(p_first[-1] + k_params)
         for start in range(0, n, rows):
             end = min(start + rows, n)
             h, y = hidden[start:end].to(head.dtype), labels[start:end, None]

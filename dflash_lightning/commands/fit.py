@@ -84,10 +84,6 @@ class DFlashCLI(TypedSettingsCLI):
         read or downloaded; and `--trainer.enable_progress_bar=false` leaves out the config's progress bar (every
         shipped config names one), where Lightning would refuse the pair: a cluster's log gets no bar, as asked."""
         config = self.config[self.subcommand] if self.subcommand else self.config
-        for key in TARGET_PATHS:  # `~/...` (configs/smollm2-135m.yaml): every reader gets the home folder spelled out
-            value = config.get(key)
-            if isinstance(value, str) and value.startswith("~"):
-                config[key] = str(Path(value).expanduser())
         check_accelerator(config.trainer.get("accelerator"))
         check_target_settings(**config.target.as_dict())
         callbacks = config.trainer.get("callbacks")
@@ -103,6 +99,11 @@ class DFlashCLI(TypedSettingsCLI):
     def parse_arguments(self, parser: Any, args: Any) -> None:
         super().parse_arguments(parser, args)
         subcommand = self.config.get("subcommand")
+        config = self.config[subcommand] if subcommand else self.config
+        for key in TARGET_PATHS:  # `~/...` (configs/smollm2-135m.yaml): every reader gets the home folder spelled out,
+            value = config.get(key)  # here, before Lightning 2.5 dumps the config as the model's hyper-parameters
+            if isinstance(value, str) and value.startswith("~"):
+                config[key] = str(Path(value).expanduser())
         ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
         if ckpt_path and Path(ckpt_path).exists():  # damage is refused in one line before anything reads it
             load_checkpoint(ckpt_path, mmap=True, required=("state_dict",))
