@@ -20,8 +20,8 @@ def end_ranks() -> None:
     """End a test's rank once its results are out: a barrier, then the process exits without tearing the process
     group down. On torch 2.7.1, gloo's worker thread frees a finished collective (its tensors Python objects, so it
     needs the GIL) while `destroy_process_group` holds the GIL and joins that thread: a deadlock that a barrier first
-    made rarer but not impossible (.ci/run's minimum part hung there twice). Each caller has put its results in a
-    manager dict or a file before this; nothing after it runs."""
+    made rarer but not impossible (.ci/run's minimum part hung there again on 2026-12-05). Each caller has put its
+    results in a manager dict or a file before this; nothing after it runs."""
     import sys
 
     import torch.distributed as dist

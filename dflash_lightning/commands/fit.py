@@ -104,7 +104,7 @@ class DFlashCLI(TypedSettingsCLI):
             value = config.get(key)  # here, before Lightning 2.5 dumps the config as the model's hyper-parameters
             if isinstance(value, str) and value.startswith("~"):
                 config[key] = str(Path(value).expanduser())
-        ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        ckpt_path = config.get("ckpt_path") if subcommand else None
         if ckpt_path and Path(ckpt_path).exists():  # damage is refused in one line before anything reads it
             load_checkpoint(ckpt_path, mmap=True, required=("state_dict",))
 
