@@ -83,7 +83,7 @@ def target_shape(base: dict) -> tuple[int, float]:
 def _target_shape(target: str) -> tuple[int, float]:
     from safetensors import safe_open
 
-    path = ROOT / target  # relative to the repository, or absolute
+    path = ROOT / Path(target).expanduser()  # relative to the repository, or absolute (~ expanded)
     if not (path / "config.json").exists():
         raise SystemExit(f"target.path {target}: the scaled lattice recipes read a local folder's config.json and "
                          "embedding")
@@ -145,6 +145,10 @@ RECIPES = {
     "lilicorr-conv-w256-std0.5": lattice(256, 0.5),
     "lilicorr-conv-w256-std2": lattice(256, 2.0),
 }
+# Domino with its GRU and projector at ModelOpt's proportions of the --config target's width (H/4 and H/16)
+RECIPES["domino-scaled"] = {**RECIPES["domino"],
+                            "model.drafter.domino.gru_hidden_dim": lambda b: target_shape(b)[0] // 4,
+                            "model.drafter.domino.emb_dim": lambda b: target_shape(b)[0] // 16}
 RECIPES["lilicorr-conv-tokens"] = RECIPES["lilicorr-conv-w64-std2"]  # the screen's choice (RESULTS.md, issue 43)
 RECIPES["lilicorr-conv-tokens-scaled"] = scaled_lattice(3.5)  # the same for another target: --config X.yaml
 RECIPES["lilicorr-conv-tokens-scaled-warm"] = {**RECIPES["lilicorr-conv-tokens-scaled"],
@@ -311,10 +315,13 @@ def main() -> None:
     parser.add_argument("--prompts", default=PROMPTS, help="evaluate's prompts")
     parser.add_argument("--num-prompts", type=int, default=None, help="evaluate only the first N prompts")
     parser.add_argument("--max-new-tokens", type=int, default=None, help="evaluate's --max_new_tokens")
+    parser.add_argument("--baseline", default=None, choices=["all", "greedy"],
+                        help="evaluate's --baseline: greedy times the target alone at T 0 only")
     args = parser.parse_args()
     extra = {key: yaml.safe_load(value) for key, _, value in (item.partition("=") for item in args.set)}
     evaluate_args = tuple(
-        a for flag, value in (("--num_prompts", args.num_prompts), ("--max_new_tokens", args.max_new_tokens))
+        a for flag, value in (("--num_prompts", args.num_prompts), ("--max_new_tokens", args.max_new_tokens),
+                              ("--baseline", args.baseline))
         if value is not None for a in (flag, str(value)))
     base = yaml.safe_load((ROOT / args.config).read_text())
     seeds = [int(s) for s in args.seeds.split(",")]

@@ -63,13 +63,16 @@ def test_evaluate_command_end_to_end(tiny_target, prompts_file, tmp_path, capsys
     printed = capsys.readouterr().out  # the rich summary table
     assert "tau pooled" in printed and "tau prompt mean" in printed and "expected tau" in printed
 
-    # an exported folder with an explicit target gives the same decoding, sampled ones too (the same seed)
+    # an exported folder with an explicit target gives the same decoding, sampled ones too (the same seed);
+    # `--baseline greedy` runs the target alone at T 0 only: no speedup at T 1, the same drafts
     folder = export_checkpoint(checkpoint, tmp_path / "folder")
     main(["--drafter", str(folder), "--target", str(tiny_target), "--prompts", str(prompts_file), "--out",
           str(tmp_path / "eval2"), "--max_new_tokens", "12", "--num_prompts", "2", "--device", "cpu",
-          "--dtype", "float32", *sampling])
+          "--dtype", "float32", "--baseline", "greedy", *sampling])
     report2 = json.loads((tmp_path / "eval2" / "report.json").read_text())
-    assert report2["num_prompts"] == 2 and report2["mismatches"] == 0
+    assert report2["num_prompts"] == 2 and report2["mismatches"] == 0 and report2["speedup"] > 0
+    assert report2["per_temperature"]["1"]["speedup"] is None
+    assert all(p["target_seconds"] is None for p in report2["per_temperature"]["1"]["prompts"])
     for run2, run in zip(report2["per_temperature"].values(), report["per_temperature"].values(), strict=True):
         for a, b in zip(run2["prompts"], run["prompts"][:2], strict=True):
             assert {k: v for k, v in a.items() if not k.endswith("seconds")} == \

