@@ -350,6 +350,13 @@ class DSparkHeads(Part):
         return {"enable_adaptive_verification": True}
 
     @classmethod
+    def serve_notes(cls, settings: DSparkSettings) -> list[str]:
+        """vLLM 0.32-0.34 draft argmax unless told (`draft_sample_method`, default "greedy"); `evaluate` at T > 0
+        samples DSpark's drafts from q (SGLang's DSpark runtime has a draft sampler)."""
+        return ['sampled serving: `evaluate` at temperature > 0 samples the drafts from q; vLLM drafts the argmax '
+                'unless the --speculative-config adds "draft_sample_method": "probabilistic"']
+
+    @classmethod
     def top_level_fields(cls, settings: DSparkSettings, config: Any = None) -> dict[str, Any]:
         """All written: the engines read the MASK id and layer ids here too, vLLM reads markov_rank only here and
         builds the confidence head only with enable_confidence_head; SGLang requires markov_head_type; the
