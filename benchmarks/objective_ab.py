@@ -54,7 +54,7 @@ import statistics
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 import yaml
@@ -335,7 +335,7 @@ def main() -> None:
         runs = [pool.submit(one_run, name, seed, args.work.resolve(), base, args.config, args.threads, args.device,
                             args.temperatures, args.steps, args.fit_only, extra, args.prompts, evaluate_args)
                 for name, seed in plan]
-        for run in runs:
+        for run in as_completed(runs):  # a run's record is written as soon as it ends, whatever the plan's order
             records.append(run.result())
             print(json.dumps(records[-1]), flush=True)
             write_result(args, seeds, names, records)  # partial results survive an interruption

@@ -40,5 +40,8 @@ case $part in
     for d in "$WORK"/*/; do
       echo "== $d"; ls "$d/checkpoints" 2>/dev/null | tr '\n' ' '; echo
       tail -c 600 "$d/fit.log" 2>/dev/null | tr '\r' '\n' | tail -3; tail -3 "$d/eval.log" 2>/dev/null
-    done > "$out/runs.txt" ;;
+    done > "$out/runs.txt"
+    for d in "$WORK"/*/; do  # the last progress line of each evaluate that is still running or was cut
+      [ -f "$d/eval.log" ] && [ ! -f "$d/run.json" ] && echo "$d $(tr '\r' '\n' < "$d/eval.log" | grep 'tau' | tail -1)"
+    done > "$out/evaluating.txt" ;;
 esac

@@ -276,3 +276,6 @@ def test_objective_ab_curves_pair_the_walk_with_the_argmax_and_the_lattice_recip
         assert settings["hidden_size"] != 128, name
         if "scaled" in name:  # the tiny choice again, from the rule
             assert settings == {"hidden_size": 64, "factor_dim": 128, "token_proj_std": pytest.approx(2.0, abs=0.02)}
+    # Domino at ModelOpt's proportions of the width (H/4, H/16): on the tiny target, the tiny recipe's 32 and 8
+    domino = {k: v(base) if callable(v) else v for k, v in RECIPES["domino-scaled"].items()}
+    assert domino == RECIPES["domino"]
