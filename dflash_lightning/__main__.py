@@ -18,6 +18,7 @@ if not torch.cuda.is_available():  # torchao (imported by transformers) logs CUD
 from lightning.fabric.utilities.exceptions import MisconfigurationException  # noqa: E402
 
 from dflash_lightning.cli import cli_main  # noqa: E402
+from dflash_lightning.console import quiet_lightning  # noqa: E402
 from dflash_lightning.long_runs.checkpointing import CheckpointError  # noqa: E402
 from dflash_lightning.module import NonFiniteError  # noqa: E402
 from dflash_lightning.regenerate.openai_backend import ServerError  # noqa: E402
@@ -30,6 +31,7 @@ FAILED_RUN = (CheckpointError, NonFiniteError, ServerError, EngineError)
 
 def main() -> None:
     """`cli_main()`, with the project's errors as one `error: ...` line and an exit status."""
+    quiet_lightning()
     try:
         cli_main()
     except (*FAILED_RUN, ValueError, FileNotFoundError, MisconfigurationException) as err:  # 2 but FAILED_RUN

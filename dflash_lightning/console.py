@@ -29,7 +29,11 @@ class _NoTips(logging.Filter):
 
 
 def quiet_lightning() -> None:
-    """Silence `HARMLESS` and Lightning's tips (the command line calls this; a notebook may too)."""
+    """Silence `HARMLESS`, Lightning's tips and transformers' weight-loading bar (5.x draws one per `from_pretrained`;
+    downloads keep huggingface_hub's bars). Every command calls this; a notebook may too."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     for message in HARMLESS:
         warnings.filterwarnings("ignore", message=message)
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):

@@ -34,7 +34,8 @@ def test_the_first_command_prints_no_noise(tmp_path):
                           text=True, timeout=600)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-3000:]
-    noise = [line for line in out.splitlines() if WARNING_LINE.search(line) or "Tip:" in line or "FLOPs" in line]
+    noise = [line for line in out.splitlines() if WARNING_LINE.search(line) or "Tip:" in line or "FLOPs" in line
+             or "Loading weights" in line]  # transformers 5.x's bar, drawn per from_pretrained
     assert not noise, "\n".join(noise)
     assert "Epoch 0/0" in done.stdout and "/-" not in done.stdout  # max_steps=3 ends in the first epoch
     assert "Total params" in done.stdout  # the summary is still there
