@@ -383,6 +383,21 @@ def test_regenerate_resumes_after_the_server_is_killed_and_restarted(engine, tar
     assert not Path(f"{out}.rejects").exists() or Path(f"{out}.rejects").read_text() == ""
 
 
+@engine_only
+def test_vllm_speedup_benchmark_serves_both_and_checks_the_answers(engine, exported, work):
+    """benchmarks/vllm_speedup.py (the README's real-speedup figure) on the tiny drafter, 2 prompts: both servers
+    come up from what `export` prints, the answers are equal, vLLM's tau and the speedup are recorded."""
+    out = work / "speedup.json"
+    done = subprocess.run([sys.executable, "benchmarks/vllm_speedup.py", "--engine-python", str(engine),
+                           "--checkpoint", exported["checkpoint"], "--num-prompts", "2", "--max-tokens", "32",
+                           "--max-model-len", "1024", "--work", str(work / "speedup"), "--out", str(out)],
+                          cwd=ROOT, env=project_env(), capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert record["outputs_equal"] and record["num_prompts"] == 2 and record["speedup"] > 0
+    assert record["drafter"]["tau"] > 1 and record["alone"]["tokens"] == record["drafter"]["tokens"] > 0
+    assert '"method": "dflash"' in record["served_with"]
+
 # ------------------------------------------------------- the engine handling itself, everywhere (no engine needed)
 
 
