@@ -109,6 +109,23 @@ def test_bf16_cache_holds_the_target_features_bitwise(setup):
                 start += n
 
 
+def test_forward_rows_have_one_length_and_their_padding_changes_no_feature(setup):
+    """Every forward row has the same length (CUDA compiles the target's attention for fixed shapes); the padding,
+    a document of its own after the real tokens, leaves their features as the unpadded row gives them."""
+    dm = make_dm(setup)
+    dm.setup("fit")
+    cache = FeatureCache(setup["root"] / "bf16")
+    rows = fcw._ForwardRows(cache.manifest["splits"]["train"]["shards"], {"train": dm.train_samples}, 256)
+    assert {rows[k]["input_ids"].numel() for k in range(len(rows))} == {256}
+    padded = [rows[k] for k in range(len(rows)) if rows[k]["tokens"] < 256][:2]
+    assert padded
+    extractor = FeatureExtractor.from_pretrained(setup["target"], LAYER_IDS, torch.float32)
+    for row in padded:
+        n = row["tokens"]
+        torch.testing.assert_close(extractor(row["input_ids"], row["position_ids"])[:n],
+                                   extractor(row["input_ids"][:n], row["position_ids"][:n]), rtol=1e-5, atol=1e-6)
+
+
 def test_cache_with_final_hidden_states_round_trips_and_feeds_distillation(setup, tmp_path):
     """`model.objective: kl` stores the target's final hidden states (bf16) and a fit reads them back."""
     out = tmp_path / "kl"

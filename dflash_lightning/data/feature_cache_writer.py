@@ -67,10 +67,13 @@ def write_shard(path: Path, tensors: dict[str, Tensor], metadata: dict[str, str]
 
 
 class _ForwardRows(Dataset):
-    """This rank's shards as target forward rows: consecutive samples up to `forward_tokens` per row."""
+    """This rank's shards as target forward rows: consecutive samples up to `forward_tokens` per row, padded to one
+    length (a document of token 0 after the real ones, which attend only within themselves): on CUDA the target's
+    flex attention is compiled for fixed shapes (`dynamic=False`), so rows of many lengths recompile it, and past
+    torch's recompile limit it runs unfused. `tokens` is the real length; the padding's features are dropped."""
 
     def __init__(self, shards: list[dict[str, Any]], samples: dict[str, TokenizedSamples], forward_tokens: int):
-        self.rows = []
+        self.rows, self.length = [], forward_tokens
         for shard in shards:
             split = shard["file"].split("-")[0]
             lengths = samples[split].lengths()
@@ -82,6 +85,8 @@ class _ForwardRows(Dataset):
                 groups[-1].append(i)
                 size += lengths[i]
             self.rows += [(split, shard, g, k == len(groups) - 1) for k, g in enumerate(groups)]
+            longest = max((sum(int(lengths[i]) for i in g) for g in groups), default=0)
+            self.length = max(self.length, longest)  # one sample longer than forward_tokens is a row alone
         self.samples = samples
 
     def __len__(self) -> int:
@@ -90,9 +95,11 @@ class _ForwardRows(Dataset):
     def __getitem__(self, k: int) -> dict[str, Any]:
         split, shard, docs, last = self.rows[k]
         ids = [self.samples[split].document(i)[0] for i in docs]
-        return {"input_ids": torch.cat(ids).long(),
-                "position_ids": torch.cat([torch.arange(len(x)) for x in ids]),  # restarts mark documents
-                "split": split, "shard": shard["file"], "last": last}
+        tokens = sum(len(x) for x in ids)
+        pad = torch.zeros(self.length - tokens, dtype=torch.long)
+        return {"input_ids": torch.cat([*ids, pad]).long(),
+                "position_ids": torch.cat([*(torch.arange(len(x)) for x in ids), torch.arange(len(pad))]),  # restarts
+                "tokens": tokens, "split": split, "shard": shard["file"], "last": last}  # mark documents
 
 
 class FeatureModule(LightningModule):
@@ -123,9 +130,10 @@ class FeatureModule(LightningModule):
 
     def predict_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Tensor]:
         fields = self.extractor.extract(batch["input_ids"], batch["position_ids"])
-        features = fields["context_features"]  # [row tokens, K*H]
+        n = int(batch["tokens"])  # the real tokens; the rest is the row's padding
+        features = fields["context_features"][:n]  # [row tokens, K*H]
         # The teacher stays bf16 in either format: fp8 would blur the distribution that distillation learns.
-        out = {"final_hidden": fields["final_hidden"].to(torch.bfloat16).cpu()} if self.final_hidden else {}
+        out = {"final_hidden": fields["final_hidden"][:n].to(torch.bfloat16).cpu()} if self.final_hidden else {}
         if self.feature_format == "fp8":
             values, scales = quantize_fp8(features)  # on the device: it moves half the bytes to the host
             return {"features": values.cpu(), "scales": scales.cpu(), **out}
