@@ -43,5 +43,24 @@ case $part in
     done > "$out/runs.txt"
     for d in "$WORK"/*/; do  # the last progress line of each evaluate that is still running or was cut
       [ -f "$d/eval.log" ] && [ ! -f "$d/run.json" ] && echo "$d $(tr '\r' '\n' < "$d/eval.log" | grep 'tau' | tail -1)"
-    done > "$out/evaluating.txt" ;;
+    done > "$out/evaluating.txt"
+    # every run's figures so far: a finished run's record, else its curves and the temperatures evaluate finished
+    python3 - "$WORK" > "$out/runs.json" <<'PY'
+import json, sys
+from pathlib import Path
+sys.path.insert(0, "benchmarks")
+from objective_ab import part_curves
+runs = {}
+for d in sorted(p for p in Path(sys.argv[1]).iterdir() if (p / "config.yaml").exists()):
+    if (d / "run.json").exists():
+        runs[d.name] = json.loads((d / "run.json").read_text())
+        continue
+    report = d / "eval" / "report.json"
+    per_t = json.loads(report.read_text())["per_temperature"] if report.exists() else {}
+    keys = ("tau_pooled", "tau_prompt_mean", "expected_tau_pooled", "mismatches", "num_prompts")
+    runs[d.name] = {"partial": True, "curves": part_curves(d),
+                    "per_temperature": {t: {k: r.get(k) for k in keys} for t, r in per_t.items()}}
+print(json.dumps(runs, indent=2))
+PY
+    ;;
 esac

@@ -33,6 +33,26 @@ def prompts_file(tmp_path_factory):
     return path
 
 
+def test_evaluate_cut_short_keeps_the_temperatures_it_finished(tiny_target, prompts_file, tmp_path, monkeypatch):
+    import dflash_lightning.commands.evaluate as command
+
+    measured = command.evaluate
+
+    def cut_at_t1(*args, temperature, **kwargs):  # a preemption in the second temperature
+        if temperature == 1:
+            raise KeyboardInterrupt
+        return measured(*args, temperature=temperature, **kwargs)
+
+    monkeypatch.setattr(command, "evaluate", cut_at_t1)
+    out = tmp_path / "eval"
+    with pytest.raises(KeyboardInterrupt):
+        main(["--drafter", str(make_checkpoint(tiny_target, tmp_path / "last.ckpt")), "--prompts", str(prompts_file),
+              "--out", str(out), "--max_new_tokens", "6", "--num_prompts", "1", "--device", "cpu",
+              "--temperature", "0,1"])
+    report = json.loads((out / "report.json").read_text())
+    assert list(report["per_temperature"]) == ["0"] and not report["complete"] and report["num_prompts"] == 1
+
+
 def test_evaluate_command_end_to_end(tiny_target, prompts_file, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "160")  # the summary table unwrapped
     checkpoint = make_checkpoint(tiny_target, tmp_path / "last.ckpt")
@@ -42,7 +62,7 @@ def test_evaluate_command_end_to_end(tiny_target, prompts_file, tmp_path, capsys
           "--device", "cpu", "--dtype", "float32", *sampling])  # the target comes from the checkpoint
     report = json.loads((out / "report.json").read_text())
     assert (out / "report.png").stat().st_size > 1000
-    assert list(report["per_temperature"]) == ["0", "1"]
+    assert list(report["per_temperature"]) == ["0", "1"] and report["complete"]
     greedy, sampled = report["per_temperature"].values()
     assert {k: v for k, v in report.items() if k in greedy} == greedy  # the first temperature's at the top
     assert sampled["seed"] == 3 and sampled["top_k"] == 20 and sampled["temperature"] == 1

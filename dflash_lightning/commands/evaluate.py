@@ -108,16 +108,19 @@ def evaluate_drafter(
     for fit in fits.values():
         if fit is not None:  # a fit of another drafter is refused here, before any decoding
             fold(model.config.preset.parts, state, fit, calibration)
-    runs = [evaluate(model, target_model, tokenizer, rows, max_new_tokens, enable_thinking=enable_thinking,
-                     warmup=i == 0, temperature=t, top_p=top_p, top_k=top_k, seed=seed,
-                     served=ServedSettings(verify_cost, fits[t]), baseline=baseline == "all" or t == 0)
-            for i, t in enumerate(temperatures)]
-    # The first temperature's report at the top, where one-run readers look; every one, that one too, by temperature.
-    report = {**runs[0], "per_temperature": {f"{run['temperature']:g}": run for run in runs}}
-    report.update(drafter=str(drafter), target=str(target), device=str(device), dtype=dtype, calibration=calibration)
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    runs = []
+    for i, t in enumerate(temperatures):
+        runs.append(evaluate(model, target_model, tokenizer, rows, max_new_tokens, enable_thinking=enable_thinking,
+                             warmup=i == 0, temperature=t, top_p=top_p, top_k=top_k, seed=seed,
+                             served=ServedSettings(verify_cost, fits[t]), baseline=baseline == "all" or t == 0))
+        # The first temperature's report at the top, where one-run readers look; every one so far, that one too, by
+        # temperature. Written after each temperature: a run cut short keeps the temperatures it finished.
+        report = {**runs[0], "per_temperature": {f"{run['temperature']:g}": run for run in runs}}
+        report.update(drafter=str(drafter), target=str(target), device=str(device), dtype=dtype,
+                      calibration=calibration, complete=len(runs) == len(temperatures))
+        (out_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     report_figure(runs).savefig(out_dir / "report.png", dpi=120)  # one series per temperature
     print_summary(runs)
     return report
