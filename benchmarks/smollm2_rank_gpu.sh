@@ -7,7 +7,9 @@
 #                                                        served tau at T 0, 0.6, 1 on NUM_PROMPTS held-out prompts;
 #                                                        BACKGROUND=1 starts it detached (collect with `wait`)
 #   bash benchmarks/smollm2_rank_gpu.sh OUT_DIR wait     wait (up to WAIT seconds) for a background rank, bring back
-#                                                        its JSON, log and a tail of each run's fit log
+#                                                        its JSON, log, a tail of each run's fit log and runs.json
+#                                                        (every run's figures so far, a cut evaluate's temperatures)
+# The defaults (STEPS 1000, NUM_PROMPTS 16) took about 17 minutes of one H100 for the 12 runs (docs/smollm2.md).
 set -u -o pipefail
 out=${1:?OUT_DIR}; part=${2:?target|cache|rank|wait}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -23,7 +25,7 @@ case $part in
   rank)
     cmd=(python3 benchmarks/objective_ab.py --config configs/smollm2-135m.yaml --recipes "$RECIPES"
          --seeds ${SEEDS:-0,1} --temperatures 0,0.6,1 --device cuda --jobs ${JOBS:-12} --threads 1
-         --steps ${STEPS:-2000} --num-prompts ${NUM_PROMPTS:-24} --max-new-tokens ${MAX_NEW_TOKENS:-128} --baseline greedy
+         --steps ${STEPS:-1000} --num-prompts ${NUM_PROMPTS:-16} --max-new-tokens ${MAX_NEW_TOKENS:-128} --baseline greedy
          --set data.feature_cache="$CACHE" --set spec_eval.every_n_steps=${EVERY:-250} --set trainer.val_check_interval=${EVERY:-250}
          --set model.metrics_every=16 --set trainer.log_every_n_steps=16 ${EXTRA:-}
          --work "$WORK" --out "$WORK/smollm2-rank.json")
