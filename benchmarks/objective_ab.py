@@ -53,6 +53,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
@@ -185,12 +186,32 @@ def run_name(name: str, seed: int, steps: int | None = None) -> str:
     return f"{name}{f'-steps{steps}' if steps else ''}-seed{seed}"
 
 
+_RUN_LOCKS: dict[Path, threading.Lock] = {}
+_RUN_LOCKS_GUARD = threading.Lock()
+
+
+def _run_lock(run_dir: Path) -> threading.Lock:
+    """One lock per run folder: a warm start's dependency fitted by one thread is waited for, not fitted again."""
+    with _RUN_LOCKS_GUARD:
+        return _RUN_LOCKS.setdefault(run_dir.resolve(), threading.Lock())
+
+
 def one_run(name: str, seed: int, work: Path, base: dict, config_name: str, threads: int | None = None,
             device: str = "cpu", temperatures: str = "0", steps: int | None = None, fit_only: bool = False,
             extra: dict | None = None, prompts: str = PROMPTS, evaluate_args: tuple[str, ...] = ()) -> dict:
     """fit then evaluate one recipe and seed (or read the finished run); its figures. `steps` replaces the config's
     max_steps; `fit_only` skips evaluate (the part's curves are the figures); `extra`: settings (dotted keys) over
-    every recipe's (a shared feature cache, say); `evaluate_args`: more `evaluate` options."""
+    every recipe's (a shared feature cache, say); `evaluate_args`: more `evaluate` options. Thread-safe: one thread
+    at a time works in a run's folder."""
+    with _run_lock(work / run_name(name, seed, steps)):
+        return _one_run(name, seed, work, base, config_name, threads, device, temperatures, steps, fit_only, extra,
+                        prompts, evaluate_args)
+
+
+def _one_run(name: str, seed: int, work: Path, base: dict, config_name: str, threads: int | None, device: str,
+             temperatures: str, steps: int | None, fit_only: bool, extra: dict | None, prompts: str,
+             evaluate_args: tuple[str, ...]) -> dict:
+    """`one_run` inside its folder's lock."""
     run_dir = work / run_name(name, seed, steps)
     report_path = run_dir / "eval" / "report.json"
     record_path = run_dir / "run.json"

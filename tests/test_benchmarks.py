@@ -77,6 +77,41 @@ def test_objective_ab_run_config_moves_every_output_and_sets_the_recipe(tmp_path
         **drafter["domino"])}), **model)
 
 
+def test_objective_ab_fits_a_warm_starts_dependency_once_when_both_run_at_once(tmp_path, monkeypatch):
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    import yaml
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import objective_ab
+    finally:
+        sys.path.pop(0)
+    fits, started = [], threading.Barrier(2)
+
+    def fake_run(cmd, **kwargs):  # a fit: its config's folder gets a checkpoint, slowly
+        run_dir = Path(cmd[cmd.index("--config") + 1]).parent
+        fits.append(run_dir.name)
+        time.sleep(0.3)
+        (run_dir / "checkpoints").mkdir(exist_ok=True)
+        (run_dir / "checkpoints/last.ckpt").write_bytes(b"")
+
+    monkeypatch.setattr(objective_ab.subprocess, "run", fake_run)
+    base = yaml.safe_load((ROOT / "configs/tiny.yaml").read_text())
+
+    def run(name):
+        started.wait()
+        return objective_ab.one_run(name, 0, tmp_path, base, "configs/tiny.yaml", fit_only=True)
+
+    with ThreadPoolExecutor(2) as pool:  # the warm start fits its dependency while the plan's own run of it waits
+        warm, dependency = pool.map(run, ["lilicorr-conv-tokens-warm", "dflash2-dpace-ce"])
+    assert sorted(fits) == ["dflash2-dpace-ce-seed0", "lilicorr-conv-tokens-warm-seed0"]
+    assert warm["settings"]["model.init_from"] == str(tmp_path / "dflash2-dpace-ce-seed0/checkpoints/last.ckpt")
+    assert dependency["recipe"] == "dflash2-dpace-ce"
+
+
 def test_step_bench_diagnostics_report_steps_settings_and_where_a_stage_stalled():
     """What makes a stalled GPU run readable: a line per step, the compiler settings, a timeout with its stack."""
     import time
