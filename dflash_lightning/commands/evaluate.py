@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -18,6 +19,7 @@ from jsonargparse import auto_cli
 from dflash_lightning.decoding.calibration import fits_for, fold, read_calibration
 from dflash_lightning.decoding.evaluate import evaluate, parse_temperatures, print_summary, read_prompts
 from dflash_lightning.hf.modeling_dflash import check_sampling
+from dflash_lightning.long_runs.atomic import write_atomic
 from dflash_lightning.parts.base import ServedSettings, VerifyCost
 
 DEFAULT_COST = VerifyCost()
@@ -120,7 +122,7 @@ def evaluate_drafter(
         report = {**runs[0], "per_temperature": {f"{run['temperature']:g}": run for run in runs}}
         report.update(drafter=str(drafter), target=str(target), device=str(device), dtype=dtype,
                       calibration=calibration, complete=len(runs) == len(temperatures))
-        (out_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+        write_atomic(out_dir / "report.json", partial(Path.write_text, data=json.dumps(report, indent=2) + "\n"))
     report_figure(runs).savefig(out_dir / "report.png", dpi=120)  # one series per temperature
     print_summary(runs)
     return report
