@@ -4,27 +4,36 @@
 #   bash benchmarks/smollm2_rank_gpu.sh OUT_DIR cache    one feature cache (with the final hidden state) for all runs
 #   bash benchmarks/smollm2_rank_gpu.sh OUT_DIR rank     configs/smollm2-135m.yaml per recipe and seed, fit and
 #                                                        evaluate on the GPU, all at once (JOBS), STEPS steps each,
-#                                                        served tau at T 0, 0.6, 1 on NUM_PROMPTS held-out prompts;
+#                                                        served tau at TEMPERATURES (0,0.6,1) on NUM_PROMPTS held-out prompts;
 #                                                        BACKGROUND=1 starts it detached (collect with `wait`)
+#   bash benchmarks/smollm2_rank_gpu.sh OUT_DIR lilicorr LiLiCorr+conv against DFlash2 past 2,000 steps (issue 43),
+#                                                        detached, three WORK folders under LATTICE (/tmp/lattice):
+#                                                        long/ both at 4,000 steps (LONG_STEPS), seeds 0 and 1, T 0, 0.6, 1;
+#                                                        warm/ DFlash2 2,000 steps then LiLiCorr+conv 2,000 more (HALF_STEPS)
+#                                                        from it (--model.init_from), T 0; screen/ token_proj_std 2,
+#                                                        seed 0, 2,000 steps, fit only (the lattice's curves)
+#   bash benchmarks/smollm2_rank_gpu.sh OUT_DIR lilicorr-wait   `wait` for each of the three, into OUT_DIR/<folder>/
 #   bash benchmarks/smollm2_rank_gpu.sh OUT_DIR wait     wait (up to WAIT seconds) for a background rank, bring back
 #                                                        its JSON, log, a tail of each run's fit log and runs.json
 #                                                        (every run's figures so far, a cut evaluate's temperatures)
 # The defaults (STEPS 1000, NUM_PROMPTS 16) took about 17 minutes of one H100 for the 12 runs (docs/smollm2.md).
 set -u -o pipefail
-out=${1:?OUT_DIR}; part=${2:?target|cache|rank|wait}
+out=${1:?OUT_DIR}; part=${2:?target|cache|rank|lilicorr|lilicorr-wait|wait}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 CACHE=${CACHE:-/tmp/smollm2-cache}
+CONFIG=${CONFIG:-configs/smollm2-135m.yaml}; DEVICE=${DEVICE:-cuda}  # another config or the CPU: a smoke run
+accelerator=$([ "$DEVICE" = cpu ] && echo cpu || echo gpu)
 WORK=${WORK:-/tmp/smollm2-rank}
 RECIPES=${RECIPES:-dpace-ce,dflash2-dpace-ce,lilicorr-conv-tokens-scaled,dspark,xpress,domino-scaled}
 case $part in
   target)
     python3 -m dflash_lightning.target_model.smollm2 > "$out/target.log" 2>&1; echo "target: exit $?" >> "$out/target.log" ;;
   cache)
-    python3 -m dflash_lightning cache --config configs/smollm2-135m.yaml --trainer.accelerator gpu --out "$CACHE" \
+    python3 -m dflash_lightning cache --config "$CONFIG" --trainer.accelerator $accelerator --out "$CACHE" \
       --final_hidden true > "$out/cache.log" 2>&1; echo "cache: exit $?" >> "$out/cache.log" ;;
   rank)
-    cmd=(python3 benchmarks/objective_ab.py --config configs/smollm2-135m.yaml --recipes "$RECIPES"
-         --seeds ${SEEDS:-0,1} --temperatures 0,0.6,1 --device cuda --jobs ${JOBS:-12} --threads 1
+    cmd=(python3 benchmarks/objective_ab.py --config "$CONFIG" --recipes "$RECIPES"
+         --seeds ${SEEDS:-0,1} --temperatures ${TEMPERATURES:-0,0.6,1} --device "$DEVICE" --jobs ${JOBS:-12} --threads 1
          --steps ${STEPS:-1000} --num-prompts ${NUM_PROMPTS:-16} --max-new-tokens ${MAX_NEW_TOKENS:-128} --baseline greedy
          --set data.feature_cache="$CACHE" --set spec_eval.every_n_steps=${EVERY:-250} --set trainer.val_check_interval=${EVERY:-250}
          --set model.metrics_every=16 --set trainer.log_every_n_steps=16 ${EXTRA:-}
@@ -35,6 +44,20 @@ case $part in
     else
       "${cmd[@]}" > "$WORK/rank.log" 2>&1; cp "$WORK/smollm2-rank.json" "$WORK/rank.log" "$out/"
     fi ;;
+  lilicorr)
+    L=${LATTICE:-/tmp/lattice}; me=benchmarks/smollm2_rank_gpu.sh
+    WORK=$L/long STEPS=${LONG_STEPS:-4000} RECIPES=dflash2-dpace-ce,lilicorr-conv-tokens-scaled JOBS=4 BACKGROUND=1 bash $me "$out" rank
+    WORK=$L/warm STEPS=${HALF_STEPS:-2000} RECIPES=lilicorr-conv-tokens-scaled-warm TEMPERATURES=0 JOBS=2 BACKGROUND=1 \
+      bash $me "$out" rank
+    WORK=$L/screen STEPS=${HALF_STEPS:-2000} SEEDS=0 RECIPES=lilicorr-conv-tokens-scaled JOBS=1 BACKGROUND=1 \
+      EXTRA="--fit-only --set model.drafter.lilicorr.token_proj_std=2" bash $me "$out" rank ;;
+  lilicorr-wait)
+    L=${LATTICE:-/tmp/lattice}
+    for w in long warm screen; do  # the first waits up to WAIT, the others only for what is left of it
+      mkdir -p "$out/$w"; t0=$SECONDS
+      WORK=$L/$w WAIT=${WAIT:-540} bash benchmarks/smollm2_rank_gpu.sh "$out/$w" wait; WAIT=$(( ${WAIT:-540} - SECONDS + t0 ))
+      [ "$WAIT" -lt 0 ] && WAIT=0
+    done ;;
   wait)
     end=$((SECONDS + ${WAIT:-540}))
     while pgrep -f benchmarks/objective_ab.py > /dev/null && [ $SECONDS -lt $end ]; do sleep 10; done
