@@ -314,3 +314,11 @@ def test_objective_ab_curves_pair_the_walk_with_the_argmax_and_the_lattice_recip
     # Domino at ModelOpt's proportions of the width (H/4, H/16): on the tiny target, the tiny recipe's 32 and 8
     domino = {k: v(base) if callable(v) else v for k, v in RECIPES["domino-scaled"].items()}
     assert domino == RECIPES["domino"]
+
+
+@pytest.mark.parametrize("script", sorted(str(p.relative_to(ROOT)) for p in [*ROOT.glob("benchmarks/*.sh"),
+                                                                              *ROOT.glob("tools/*.sh")]))
+def test_shell_scripts_parse(script):
+    """The GPU machine is the first to run some of these: a syntax error must not cost a call of device time."""
+    done = subprocess.run(["bash", "-n", script], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
