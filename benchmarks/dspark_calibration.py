@@ -11,7 +11,9 @@ Steps, each skipped when its output exists in `--work` (a rerun continues):
 3. calibrate: `calibrate` on the calibration prompts at the temperatures asked (refusing any evaluation prompt);
 4. evaluate: `evaluate --calibration` on the 74 held-out prompts: served tau, and the confidences raw, with
    SGLang's per-slot temperatures and with the affine map vLLM serves folded.
-For another target (SmolLM2-135M), pass `--config`, `--train` (its sampled answers) and `--calibration-prompts`.
+For another target (SmolLM2-135M), pass `--config`, `--train` (its sampled answers) and `--calibration-prompts`;
+on a GPU `--device cuda`, with `--steps`, `--set` (a feature cache of those answers, say) and `--jobs` (seeds at
+once), as `benchmarks/smollm2_rank_gpu.sh OUT dspark` runs it.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import subprocess
 import sys
 import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import yaml
@@ -90,22 +93,26 @@ def one_seed(seed: int, args: argparse.Namespace, train: Path, prompts: Path, en
     run_dir = Path(args.work) / f"dspark-sampled-seed{seed}"
     run_dir.mkdir(parents=True, exist_ok=True)
     base = yaml.safe_load((ROOT / args.config).read_text())
-    config = run_config(base, run_dir, seed, {**RECIPE, "data.train_files": [str(train)]})
+    settings = {**RECIPE, "data.train_files": [str(train)], **args.settings}
+    if args.steps:
+        settings["trainer.max_steps"] = args.steps
+    config = run_config(base, run_dir, seed, settings, args.device)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(config))
     ckpt = run_dir / "checkpoints/last.ckpt"
     seconds = {}
     python = [sys.executable, "-m", "dflash_lightning"]
     if not ckpt.exists():
         seconds["fit"] = run([*python, "fit", "--config", str(run_dir / "config.yaml")], run_dir / "fit.log", env)
-    common = ["--drafter", str(ckpt), "--device", "cpu", "--dtype", "float32", "--temperature", args.temperatures,
-              "--max_new_tokens", str(args.max_new_tokens), "--seed", "0"]
+    common = ["--drafter", str(ckpt), "--device", args.device, "--dtype", "float32", "--temperature",
+              args.temperatures, "--max_new_tokens", str(args.max_new_tokens), "--seed", "0"]
     calibration = run_dir / "calibration" / "calibration.json"
     if not calibration.exists():
         seconds["calibrate"] = run([*python, "calibrate", *common, "--prompts", str(prompts), "--eval_prompts",
                                     args.prompts, "--out", str(calibration.parent)], run_dir / "calibrate.log", env)
     report = run_dir / "eval" / "report.json"
     if not report.exists():
-        seconds["evaluate"] = run([*python, "evaluate", *common, "--prompts", args.prompts, "--calibration",
+        limit = ["--num_prompts", str(args.num_prompts)] if args.num_prompts else []
+        seconds["evaluate"] = run([*python, "evaluate", *common, "--prompts", args.prompts, *limit, "--calibration",
                                    str(calibration), "--out", str(report.parent)], run_dir / "eval.log", env)
     timings = run_dir / "seconds.json"  # each step's seconds, kept across reruns that skip it
     seconds = {**(json.loads(timings.read_text()) if timings.exists() else {}), **seconds}
@@ -155,10 +162,17 @@ def main() -> None:
     parser.add_argument("--prompts", default=str(TINY / "prompts.jsonl"), help="the evaluation prompts")
     parser.add_argument("--train", default=None, help="sampled training answers (default: made from the tiny set)")
     parser.add_argument("--calibration-prompts", default=None, help="(default: held out of the tiny set)")
+    parser.add_argument("--num-prompts", type=int, default=None, help="evaluate only the first N prompts")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="fit, calibrate and evaluate there")
+    parser.add_argument("--steps", type=int, default=None, help="the fit's max_steps (default: the config's)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a setting (dotted, YAML value) over the recipe's, e.g. data.feature_cache=DIR")
+    parser.add_argument("--jobs", type=int, default=1, help="seeds run at once")
     parser.add_argument("--work", default="/tmp/dspark-calibration")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    args.settings = {key: yaml.safe_load(value) for key, _, value in (item.partition("=") for item in args.set)}
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(ROOT)}
     Path(args.work).mkdir(parents=True, exist_ok=True)
     data = {}
@@ -166,7 +180,8 @@ def main() -> None:
         train, prompts, data = make_data(Path(args.work), env)
     train = Path(args.train) if args.train else train
     prompts = Path(args.calibration_prompts) if args.calibration_prompts else prompts
-    seeds = [one_seed(int(s), args, train, prompts, env) for s in args.seeds.split(",")]
+    with ThreadPoolExecutor(args.jobs) as pool:
+        seeds = list(pool.map(lambda s: one_seed(int(s), args, train, prompts, env), args.seeds.split(",")))
     record = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "data": data, "recipe": RECIPE,
               "config": args.config, "train": str(train), "calibration_prompts": str(prompts), "seeds": seeds}
     Path(args.out).write_text(json.dumps(record, indent=2) + "\n")

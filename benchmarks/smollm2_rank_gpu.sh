@@ -13,12 +13,17 @@
 #                                                        from it (--model.init_from), T 0; screen/ token_proj_std 2,
 #                                                        seed 0, 2,000 steps, fit only (the lattice's curves)
 #   bash benchmarks/smollm2_rank_gpu.sh OUT_DIR lilicorr-wait   `wait` for each of the three, into OUT_DIR/<folder>/
+#   bash benchmarks/smollm2_rank_gpu.sh OUT_DIR dspark   DSpark on the sampled answers (train_sampled.jsonl, a cache of
+#                                                        its own), fit STEPS, calibrated on calibration_prompts.jsonl,
+#                                                        evaluated raw and calibrated at TEMPERATURES, seeds 0 and 1,
+#                                                        detached (benchmarks/dspark_calibration.py; collect with
+#                                                        `dspark-wait`, up to WAIT seconds)
 #   bash benchmarks/smollm2_rank_gpu.sh OUT_DIR wait     wait (up to WAIT seconds) for a background rank, bring back
 #                                                        its JSON, log, a tail of each run's fit log and runs.json
 #                                                        (every run's figures so far, a cut evaluate's temperatures)
 # The defaults (STEPS 1000, NUM_PROMPTS 16) took about 17 minutes of one H100 for the 12 runs (docs/smollm2.md).
 set -u -o pipefail
-out=${1:?OUT_DIR}; part=${2:?target|cache|rank|lilicorr|lilicorr-wait|wait}
+out=${1:?OUT_DIR}; part=${2:?target|cache|rank|lilicorr|lilicorr-wait|dspark|dspark-wait|wait}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 CACHE=${CACHE:-/tmp/smollm2-cache}
 CONFIG=${CONFIG:-configs/smollm2-135m.yaml}; DEVICE=${DEVICE:-cuda}  # another config or the CPU: a smoke run
@@ -58,6 +63,25 @@ case $part in
       WORK=$L/$w WAIT=${WAIT:-540} bash benchmarks/smollm2_rank_gpu.sh "$out/$w" wait; WAIT=$(( ${WAIT:-540} - SECONDS + t0 ))
       [ "$WAIT" -lt 0 ] && WAIT=0
     done ;;
+  dspark)
+    data=${DATA:-dflash_lightning/assets/smollm2/data}; D=${DSPARK:-/tmp/dspark-sampled}; mkdir -p "$D"
+    python3 -m dflash_lightning cache --config "$CONFIG" --trainer.accelerator $accelerator --out "$D/cache" \
+      --final_hidden true --data.train_files "[$data/train_sampled.jsonl]" > "$out/dspark-cache.log" 2>&1
+    echo "cache: exit $?" >> "$out/dspark-cache.log"
+    setsid nohup python3 benchmarks/dspark_calibration.py --config "$CONFIG" --train "$data/train_sampled.jsonl" \
+      --calibration-prompts "$data/calibration_prompts.jsonl" --device "$DEVICE" --seeds ${SEEDS:-0,1} --jobs 2 \
+      --temperatures ${TEMPERATURES:-0,0.6,1} --steps ${STEPS:-1000} --num-prompts ${NUM_PROMPTS:-16} \
+      --max-new-tokens ${MAX_NEW_TOKENS:-128} --set data.feature_cache="$D/cache" \
+      --set spec_eval.every_n_steps=${EVERY:-250} --set trainer.val_check_interval=${EVERY:-250} \
+      --work "$D" --out "$D/dspark-sampled.json" > "$D/run.log" 2>&1 < /dev/null & ;;
+  dspark-wait)
+    D=${DSPARK:-/tmp/dspark-sampled}; end=$((SECONDS + ${WAIT:-540}))
+    while pgrep -f benchmarks/dspark_calibration.py > /dev/null && [ $SECONDS -lt $end ]; do sleep 10; done
+    cp "$D/run.log" "$D/dspark-sampled.json" "$out/" 2>/dev/null
+    for d in "$D"/dspark-sampled-seed*/; do
+      echo "== $d"; ls "$d" | tr '\n' ' '; echo; tail -c 400 "$d/fit.log" 2>/dev/null | tr '\r' '\n' | tail -2
+      for f in calibrate eval; do tail -2 "$d/$f.log" 2>/dev/null; done
+    done > "$out/dspark-runs.txt" ;;
   wait)
     end=$((SECONDS + ${WAIT:-540}))
     while pgrep -f benchmarks/objective_ab.py > /dev/null && [ $SECONDS -lt $end ]; do sleep 10; done
