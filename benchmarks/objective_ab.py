@@ -228,7 +228,8 @@ def _one_run(name: str, seed: int, work: Path, base: dict, config_name: str, thr
             settings[key] = str(work / run_name(value[1:], seed, steps) / "checkpoints/last.ckpt")
     run_dir.mkdir(parents=True, exist_ok=True)
     config = run_dir / "config.yaml"
-    config.write_text(yaml.safe_dump(run_config(base, run_dir, seed, settings, device)))
+    config_dict = run_config(base, run_dir, seed, settings, device)
+    config.write_text(yaml.safe_dump(config_dict))
     env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
     t0 = time.perf_counter()
     fit = [sys.executable, "-m", "dflash_lightning", "fit", "--config", str(config)]  # resumes an interrupted fit
@@ -256,6 +257,10 @@ def _one_run(name: str, seed: int, work: Path, base: dict, config_name: str, thr
         }
     record["selector"] = _last_selector_metrics(run_dir)
     record["curves"] = part_curves(run_dir)  # served tau (val/tau_served) against steps among them
+    if "train/lilicorr/supervised" in record["curves"]:  # the lattice's training signal so far (issue 43)
+        model = config_dict["model"]
+        record["curves"]["train/lilicorr/supervised_slots"] = supervised_slots(
+            record["curves"]["train/lilicorr/supervised"], model["num_anchors"], model["drafter"]["block_size"] - 1)
     record_path.write_text(json.dumps(record, indent=2) + "\n")
     return record
 
@@ -300,6 +305,18 @@ def part_curves(run_dir: Path) -> dict[str, list]:
         walk, argmax = (dict(map(tuple, out.get(f"{stage}/lilicorr/{m}", []))) for m in ("tau", "argmax_tau"))
         if walk:
             out[f"{stage}/lilicorr/walk_minus_argmax"] = [[k, walk[k] - argmax[k]] for k in walk if k in argmax]
+    return out
+
+
+def supervised_slots(curve: list, anchors: int, slots: int) -> list:
+    """The lattice's supervised slots so far against the step, from a `train/lilicorr/supervised` curve (the
+    fraction of the A x S slots one logged batch supervised): each point stands for the steps since the previous
+    one, at `anchors` x `slots` slots a step. [[step, cumulative count], ...]"""
+    out, total, previous = [], 0.0, -1
+    for step, fraction in curve:
+        total += fraction * (step - previous) * anchors * slots
+        out.append([step, round(total)])
+        previous = step
     return out
 
 

@@ -97,6 +97,9 @@ def test_objective_ab_fits_a_warm_starts_dependency_once_when_both_run_at_once(t
         time.sleep(0.3)
         (run_dir / "checkpoints").mkdir(exist_ok=True)
         (run_dir / "checkpoints/last.ckpt").write_bytes(b"")
+        if "lilicorr" in run_dir.name:  # its log: half of the 96 x 15 slots supervised at steps 0-7
+            (run_dir / "dflash/version_0").mkdir(parents=True)
+            (run_dir / "dflash/version_0/metrics.csv").write_text("step,train/lilicorr/supervised\n7,0.5\n")
 
     monkeypatch.setattr(objective_ab.subprocess, "run", fake_run)
     base = yaml.safe_load((ROOT / "configs/tiny.yaml").read_text())
@@ -110,6 +113,8 @@ def test_objective_ab_fits_a_warm_starts_dependency_once_when_both_run_at_once(t
     assert sorted(fits) == ["dflash2-dpace-ce-seed0", "lilicorr-conv-tokens-warm-seed0"]
     assert warm["settings"]["model.init_from"] == str(tmp_path / "dflash2-dpace-ce-seed0/checkpoints/last.ckpt")
     assert dependency["recipe"] == "dflash2-dpace-ce"
+    assert warm["curves"]["train/lilicorr/supervised_slots"] == [[7, 5760]]  # the run's own anchors and block
+    assert "train/lilicorr/supervised_slots" not in dependency["curves"]
 
 
 def test_step_bench_diagnostics_report_steps_settings_and_where_a_stage_stalled():
@@ -314,6 +319,23 @@ def test_objective_ab_curves_pair_the_walk_with_the_argmax_and_the_lattice_recip
     # Domino at ModelOpt's proportions of the width (H/4, H/16): on the tiny target, the tiny recipe's 32 and 8
     domino = {k: v(base) if callable(v) else v for k, v in RECIPES["domino-scaled"].items()}
     assert domino == RECIPES["domino"]
+
+
+def test_supervised_slots_count_each_logged_fraction_for_the_steps_since_the_last():
+    """The lattice's supervised slots against steps: a fraction logged at step 7 stands for steps 0-7, one at 15
+    for 8-15, at anchors x slots a step."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from objective_ab import supervised_slots
+    finally:
+        sys.path.pop(0)
+    curve = [[7, 0.25], [15, 0.5], [19, 1.0]]
+    reference, total, last = [], 0, -1
+    for step, fraction in curve:
+        total += sum(fraction * 96 * 15 for _ in range(last + 1, step + 1))
+        reference.append([step, round(total)])
+        last = step
+    assert supervised_slots(curve, 96, 15) == reference == [[7, 2880], [15, 8640], [19, 14400]]
 
 
 @pytest.mark.parametrize("script", sorted(str(p.relative_to(ROOT)) for p in [*ROOT.glob("benchmarks/*.sh"),
