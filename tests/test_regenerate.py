@@ -106,6 +106,26 @@ def test_resume_after_a_kill_with_a_torn_line(setup, reference, tmp_path, monkey
     assert out.read_bytes() == ref_path.read_bytes()
 
 
+def test_sort_window_batches_by_length_and_keeps_source_order(setup, reference, tmp_path, monkeypatch):
+    """A window of records batched by prompt length: shorter prompts share a batch, the file is the reference's."""
+    ref_path, _ = reference
+    real, batches = rg.regenerate_batch, []
+
+    def spy(model, tokenizer, batch, *args, **kwargs):
+        first = [next(i for i, m in enumerate(msgs) if m["role"] == "assistant") for msgs in batch]
+        batches.append([sum(len(m["content"]) for m in msgs[:i]) for msgs, i in zip(batch, first, strict=True)])
+        return real(model, tokenizer, batch, *args, **kwargs)
+
+    monkeypatch.setattr(rg, "regenerate_batch", spy)
+    out = tmp_path / "sorted.jsonl"
+    run(setup, out, sort_window=4)
+    assert out.read_bytes() == ref_path.read_bytes()
+    lengths = [n for b in batches for n in b]  # the 8 good records: one window, 4 batches of 2, shortest first
+    assert len(batches) == 4 and lengths == sorted(lengths)
+    with pytest.raises(ValueError, match="sort_window >= 1"):
+        run(setup, tmp_path / "x.jsonl", sort_window=0)
+
+
 def test_limit_then_continue_through_the_cli(setup, reference, tmp_path, capsys):
     ref_path, _ = reference
     out = tmp_path / "out.jsonl"

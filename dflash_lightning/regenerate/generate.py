@@ -114,8 +114,9 @@ def regenerate_batch(model: Any, tokenizer: Any, batch: list[list[Message]], opt
 def run_hf(conversations: Iterator[Conversation], writer: OrderedWriter, counts: Counter[str],
            done: Callable[[int], None], *, target: str, device: str, dtype: str, batch_size: int,
            max_new_tokens: int, temperature: float, top_p: float, top_k: int, seed: int | None, stop: Sequence[str],
-           template_kwargs: dict[str, Any]) -> None:
-    """The in-process backend: the target's `generate` on batches of `batch_size` conversations, in source order."""
+           template_kwargs: dict[str, Any], sort_window: int = 1) -> None:
+    """The in-process backend: the target's `generate` on batches of `batch_size` conversations; with `sort_window`
+    > 1, each run of `batch_size * sort_window` records is batched by prompt length (written in source order)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dflash_lightning.decoding.evaluate import stop_token_ids
@@ -137,20 +138,34 @@ def run_hf(conversations: Iterator[Conversation], writer: OrderedWriter, counts:
 
     def flush(batch: list[Conversation]) -> None:
         if seed is not None:
-            torch.manual_seed(seed + batch[0][0])  # sampling is reproducible per batch, also after a resume
+            # sampling is reproducible per batch, and after a resume that starts where a window started
+            torch.manual_seed(seed + min(c[0] for c in batch))
         regenerate_batch(model, tokenizer, [c[3] for c in batch], options, template_kwargs, stop_ids, counts, stop)
         for index, location, record, messages in batch:
             writer.finish(index, location, record, messages)
         done(len(batch))
 
-    batch: list[Conversation] = []
-    for item in conversations:
-        batch.append(item)
-        if len(batch) == batch_size:
-            flush(batch)
-            batch = []
-    if batch:
-        flush(batch)
+    def length(item: Conversation) -> int:  # the first turn's prompt in characters: a cheap proxy for its tokens
+        first = next(i for i, m in enumerate(item[3]) if m["role"] == "assistant")
+        return sum(len(m["content"]) for m in item[3][:first])
+
+    for window in windows(conversations, batch_size * sort_window):
+        if sort_window > 1:  # rows of like length share a batch: less padding; the writer restores source order
+            window = sorted(window, key=length)
+        for i in range(0, len(window), batch_size):
+            flush(window[i: i + batch_size])
+
+
+def windows(items: Iterator[Conversation], size: int) -> Iterator[list[Conversation]]:
+    """Consecutive lists of `size` items (the last may be shorter)."""
+    window: list[Conversation] = []
+    for item in items:
+        window.append(item)
+        if len(window) == size:
+            yield window
+            window = []
+    if window:
+        yield window
 
 
 # ------------------------------------------------------------------------------------------ the command
@@ -188,6 +203,7 @@ def regenerate(
     enable_thinking: bool | None = False,
     max_new_tokens: int = 2048,
     batch_size: int = 32,
+    sort_window: int = 1,
     temperature: float = 0.0,
     top_p: float = 1.0,
     top_k: int = 0,
@@ -228,6 +244,8 @@ def regenerate(
             passed. The recipe trains thinking off.
         max_new_tokens: Most tokens per generated turn; longer answers are cut (and counted).
         batch_size: "hf": conversations generated together (left-padded).
+        sort_window: "hf": read `batch_size * sort_window` records ahead and batch them by prompt length, so a batch
+            pads little (a GPU's large batches); the output keeps source order. 1: batches in source order.
         temperature: 0: greedy decoding; > 0: sampling at this temperature.
         top_p: Nucleus sampling threshold when sampling.
         top_k: Top-k sampling when sampling; 0: off.
@@ -243,10 +261,10 @@ def regenerate(
         progress: Show a progress bar.
     """
     sampling = Sampling(max_new_tokens, temperature, top_p, top_k, list(stop or []), seed)
-    if batch_size < 1 or max_new_tokens < 1 or temperature < 0 or concurrency < 1 or max_retries < 0:
-        raise ValueError(f"need batch_size >= 1, max_new_tokens >= 1, temperature >= 0, concurrency >= 1, "
-                         f"max_retries >= 0; got {batch_size}, {max_new_tokens}, {temperature}, {concurrency}, "
-                         f"{max_retries}")
+    if batch_size < 1 or sort_window < 1 or max_new_tokens < 1 or temperature < 0 or concurrency < 1 or max_retries < 0:
+        raise ValueError(f"need batch_size >= 1, sort_window >= 1, max_new_tokens >= 1, temperature >= 0, "
+                         f"concurrency >= 1, max_retries >= 0; got {batch_size}, {sort_window}, {max_new_tokens}, "
+                         f"{temperature}, {concurrency}, {max_retries}")
     files = resolve_files(input_files, "input_files")
     out_path = Path(out)
     rejects_path = Path(rejects) if rejects is not None else out_path.with_name(out_path.name + ".rejects")
@@ -278,7 +296,7 @@ def regenerate(
                         template_kwargs=template_kwargs, **asdict(sampling))
         else:
             run_hf(items, writer, counts, done, target=target, device=device, dtype=dtype, batch_size=batch_size,
-                   template_kwargs=template_kwargs, **asdict(sampling))
+                   template_kwargs=template_kwargs, sort_window=sort_window, **asdict(sampling))
     print(summary(counts, start, end, out_path, rejects_path, time.monotonic() - began))
     return out_path
 
