@@ -3,6 +3,7 @@ by token against a mask built independently from the template's pieces."""
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 
@@ -11,7 +12,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from dflash_lightning.data.conversations import DataError, resolve_files, tokenize_files
+from dflash_lightning.data.conversations import DataError, count_records, resolve_files, tokenize_files
+from dflash_lightning.decoding.evaluate import read_prompts
 
 # ChatML; with enable_thinking=false an empty think block opens every assistant turn (as Qwen3 does), so it
 # belongs to the generation prompt and must not be supervised
@@ -153,6 +155,24 @@ def test_sharegpt_and_auto_and_json_suffix(tok, tmp_path):
     assert documents(tokenize(tok, [mixed])) == want
     with pytest.raises(DataError, match=r"s\.json:1: no conversation"):
         tokenize(tok, [share], fmt="messages")
+
+
+def test_gzipped_jsonl_reads_as_the_plain_file(tok, tmp_path):
+    """`x.jsonl.gz` is read, counted and located (file:line) as `x.jsonl`; so is a gzipped prompts file."""
+    convs = [chat(0, system=True), chat(1, turns=2)]
+    plain = write_jsonl(tmp_path / "a.jsonl", [{"messages": convs[0]}, '{"messages": [broken', {"messages": convs[1]}])
+    packed = tmp_path / "a.jsonl.gz"
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    assert resolve_files([str(packed)], "train_files") == [packed] and count_records(packed) == 3
+    assert documents(tokenize(tok, [packed], on_bad="skip")) == [expected(tok, c) for c in convs]
+    with pytest.raises(DataError, match=r"a\.jsonl\.gz:2: "):
+        tokenize(tok, [packed])
+    prompts = tmp_path / "p.jsonl.gz"
+    prompts.write_bytes(gzip.compress(b'{"prompt": "a"}\n{"messages": [{"role": "user", "content": "b"}]}\n'))
+    assert [r.get("prompt") for r in read_prompts(prompts)] == ["a", None]
+    (tmp_path / "x.txt.gz").write_bytes(gzip.compress(b"{}"))
+    with pytest.raises(DataError, match="unsupported file type"):
+        resolve_files([str(tmp_path / "x.txt.gz")], "train_files")
 
 
 def test_unicode_offsets(tok, tmp_path):

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dflash_lightning.data.conversations import open_lines
 from dflash_lightning.decoding.speculative import SpeculativeDecoder
 from dflash_lightning.hf.modeling_dflash import check_sampling
 from dflash_lightning.model import DFlashDrafter
@@ -254,9 +255,10 @@ def parse_temperatures(value: str | float | Sequence[float]) -> list[float]:
 
 
 def read_prompts(path: str | Path, num_prompts: int | None = None) -> list[dict[str, Any]]:
-    """Rows of a prompts JSONL file (`{"messages": [...]}` or `{"prompt": str}`, optional `category`)."""
+    """Rows of a prompts JSONL file, gzipped or not (`{"messages": [...]}` or `{"prompt": str}`, optional
+    `category`)."""
     rows = []
-    with open(path) as f:
+    with open_lines(path) as f:
         for number, line in enumerate(f, 1):
             if line.strip():
                 try:
