@@ -1,4 +1,4 @@
-"""Speculative decoding of N prompts at once at static shapes (tau at scale, and batch-1 tokens per second with CUDA graphs).
+"""Speculative decoding of N prompts at once at static shapes: tau at scale, and batch-1 speed with CUDA graphs.
 
 All rows share one slot timeline: the prefill writes each prompt left-padded into slots 0..P-1, every decode step
 writes the block [x, drafts...] of every row into the next slots, and a per-row validity mask hides the slots of
@@ -43,7 +43,8 @@ class SlotCache:
             self.keys, self.values = [None] * len(self.keys), [None] * len(self.values)
         self.capacity = capacity
 
-    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs) -> tuple[Tensor, Tensor]:
+    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs
+               ) -> tuple[Tensor, Tensor]:
         """Write `[N, kv_heads, q, D]` at `slots`; every slot's K/V (the mask says which are seen)."""
         keys = self.keys[layer_idx]
         if keys is None or keys.shape[0] != key_states.shape[0] or keys.dtype != key_states.dtype:
@@ -298,7 +299,8 @@ class BatchedDecoder:
         them `[N]`, the expected accepted counts. Greedy rows at once (`accepted_lengths`), sampled row by row."""
         if sampling["temperature"] == 0:
             posterior = logits.argmax(-1)  # [N, q]
-            cut = torch.arange(1, ids.shape[1], device=ids.device)[None] < torch.tensor(wanted, device=ids.device)[:, None]
+            slot = torch.arange(1, ids.shape[1], device=ids.device)
+            cut = slot[None] < torch.tensor(wanted, device=ids.device)[:, None]  # [N, q - 1]: the drafts verified
             a = accepted_lengths(torch.where(cut, ids[:, 1:], -1), posterior)  # [N]
             bonus = posterior.gather(1, a[:, None])[:, 0]
             a = a.tolist()
