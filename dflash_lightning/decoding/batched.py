@@ -85,6 +85,8 @@ class BatchedDraftContext:
             if self.keys[i] is None or self.keys[i].shape != shape or self.keys[i].dtype != dtype:
                 self.keys[i] = torch.zeros(shape, dtype=dtype, device=like.device)
                 self.values[i] = torch.zeros(shape, dtype=dtype, device=like.device)
+                torch._dynamo.mark_static_address(self.keys[i])  # read by the drafter's graph in place, not copied
+                torch._dynamo.mark_static_address(self.values[i])
 
     def write(self, features: Tensor, positions: Tensor, slots: Tensor) -> Tensor:
         """Context K/V of target features `[N, q, K*H]` at `positions [N, q]` into `slots [q]`; the context
@@ -153,7 +155,8 @@ class BatchedDecoder:
         self.rule = next((part for part in drafter.parts if part.decodes), None)
         self._target_step, self._draft_step = self._target_forward, self._block_logits
         device = next(target_model.parameters()).device
-        if graphs and device.type == "cuda":  # the CUDA-only lines: fixed shapes, replayed as graphs
+        self.graphs = graphs and device.type == "cuda"
+        if self.graphs:  # the CUDA-only lines: fixed shapes, replayed as graphs
             self._target_step = torch.compile(self._target_forward, mode="reduce-overhead", dynamic=False)
             self._draft_step = torch.compile(self._block_logits, mode="reduce-overhead", dynamic=False)
 
@@ -171,6 +174,11 @@ class BatchedDecoder:
         """The blocks' hidden states `[N, B, H]` and the drafting slots' logits `[N, drafts, V]`."""
         hidden = self.context.block_hidden(block, start, valid, slot_pos)
         return hidden, self.drafter.logits(hidden[:, self.draft_slots])
+
+    def _step_begins(self) -> None:
+        """A new decode step: the graphs may overwrite the last step's outputs (all read by now)."""
+        if self.graphs:
+            torch.compiler.cudagraph_mark_step_begin()
 
     # -- the slot timeline
     def _prefill(self, prompts: Sequence[Tensor], capacity: int, with_drafter: bool) -> tuple[Tensor, Tensor, Tensor]:
@@ -236,6 +244,7 @@ class BatchedDecoder:
         cur, arange_q = P, torch.arange(q, device=device)
         t1 = _now(device)
         while not all(done):
+            self._step_begins()
             if cur + q > capacity:
                 cur = self._compact(valid, slot_pos)
             block = torch.full((N, self.block_size), self.mask_token_id, dtype=torch.long, device=device)
@@ -335,6 +344,7 @@ class BatchedDecoder:
         cur, steps = P, 0
         t1 = _now(device)
         while not all(done):
+            self._step_begins()
             slots = torch.tensor([cur], device=device)
             mask = valid.clone()
             mask[:, cur] = True
