@@ -344,3 +344,17 @@ def test_shell_scripts_parse(script):
     """The GPU machine is the first to run some of these: a syntax error must not cost a call of device time."""
     done = subprocess.run(["bash", "-n", script], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+def test_decode_speed_cpu_smoke_times_both_ways_at_batch_1(tmp_path):
+    """benchmarks/decode_speed.py --smoke: the tiny target alone and with a random drafter at batch 1 on the CPU (the
+    CUDA-graph path's code, eager), equal outputs, both speeds, tau and the report file."""
+    from benchmarks.decode_speed import main
+
+    out = tmp_path / "speed.json"
+    report = main(["--smoke", "--num-prompts", "2", "--warmup", "1", "--max-new-tokens", "6", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    assert report["mismatches"] == 0 and report["num_prompts"] == 2 and not report["cuda_graphs"]
+    for mode in ("target_alone", "speculative"):
+        assert report[mode]["tokens"] == 12 and report[mode]["tokens_per_second"] > 0
+    assert report["speedup"] > 0 and 1 <= report["tau_pooled"] <= 4

@@ -67,6 +67,7 @@ def evaluate_drafter(
     verify_cost: VerifyCost = DEFAULT_COST,
     calibration: str | None = None,
     baseline: Literal["all", "greedy"] = "all",
+    batch_size: int | None = None,
 ) -> dict[str, Any]:
     """Measure a drafter by speculative decoding against the target alone; write report.json and report.png.
 
@@ -96,6 +97,9 @@ def evaluate_drafter(
             asked for must have a fit, made for this drafter.
         baseline: Where the target also decodes alone: `all` temperatures (speedup everywhere), or `greedy`
             only (the mismatch check; sampled temperatures report tau but no speedup, at half the time).
+        batch_size: Prompts decoded together (the same tokens as one at a time); None: 16 on CUDA, 1 elsewhere. Above
+            1 the speedup column is the ratio of throughputs at that batch, not a latency: benchmarks/decode_speed.py
+            measures batch-1 tokens per second.
     """
     from dflash_lightning.pictures.figures import report_figure
 
@@ -106,7 +110,10 @@ def evaluate_drafter(
     if calibration is not None:
         table = read_calibration(calibration)
         fits = {t: fits_for(table, t, calibration) for t in temperatures}
+    if batch_size is not None and batch_size < 1:
+        raise ValueError(f"--batch_size must be >= 1, got {batch_size}")
     model, state, target_model, tokenizer, target, device = load_served(drafter, target, device, dtype)
+    batch_size = batch_size or (16 if torch.device(device).type == "cuda" else 1)
     for fit in fits.values():
         if fit is not None:  # a fit of another drafter is refused here, before any decoding
             fold(model.config.preset.parts, state, fit, calibration)
@@ -116,7 +123,8 @@ def evaluate_drafter(
     for i, t in enumerate(temperatures):
         runs.append(evaluate(model, target_model, tokenizer, rows, max_new_tokens, enable_thinking=enable_thinking,
                              warmup=i == 0, temperature=t, top_p=top_p, top_k=top_k, seed=seed,
-                             served=ServedSettings(verify_cost, fits[t]), baseline=baseline == "all" or t == 0))
+                             served=ServedSettings(verify_cost, fits[t]), baseline=baseline == "all" or t == 0,
+                             batch_size=batch_size))
         # The first temperature's report at the top, where one-run readers look; every one so far, that one too, by
         # temperature. Written after each temperature: a run cut short keeps the temperatures it finished.
         report = {**runs[0], "per_temperature": {f"{run['temperature']:g}": run for run in runs}}

@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from dflash_lightning.data.conversations import open_lines
-from dflash_lightning.decoding.speculative import SpeculativeDecoder
+from dflash_lightning.decoding.batched import BatchedDecoder
+from dflash_lightning.decoding.speculative import Generation, SpeculativeDecoder
 from dflash_lightning.hf.modeling_dflash import check_sampling
 from dflash_lightning.model import DFlashDrafter
 from dflash_lightning.parts.base import Part, ServedSettings
@@ -68,6 +69,7 @@ def evaluate(
     seed: int = 0,
     baseline: bool = True,
     served: ServedSettings | None = None,
+    batch_size: int = 1,
 ) -> dict[str, Any]:
     """Speculative and target-only decoding of every prompt (greedy at temperature 0, else sampled with top-p and
     top-k); the report of `summarize` and the sampling settings.
@@ -76,8 +78,13 @@ def evaluate(
     target's). `prompts` are rows with `messages` or `prompt` and an optional `category`. Prompt i samples from
     its own random stream `prompt_seed(seed, i)`, so a report is reproduced by its seed, prompt by prompt.
     `baseline` false skips the target alone (no speedup, no mismatch count: `calibrate` needs only the served
-    blocks); `served`: what the parts' served reports are given (a cost model, a calibration).
+    blocks); `served`: what the parts' served reports are given (a cost model, a calibration). `batch_size` > 1
+    decodes that many prompts together (`BatchedDecoder`: the same tokens and random streams as one at a time); a
+    prompt's seconds are then its batch's wall time over the batch's prompts, so `speedup` is the ratio of the target
+    alone's and the speculative decoder's throughput at that batch, not a latency (benchmarks/decode_speed.py is).
     """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     check_sampling(temperature, top_p, top_k)
     sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k)
     device = next(target_model.parameters()).device
@@ -85,39 +92,49 @@ def evaluate(
         raise ValueError(f"drafter is on {drafter.fc.weight.device}, the target on {device}")
     modes = drafter.training, target_model.training
     drafter.eval(), target_model.eval()
-    decoder = SpeculativeDecoder(target_model, drafter)
+    decoder = SpeculativeDecoder(target_model, drafter) if batch_size == 1 else BatchedDecoder(target_model, drafter)
     stop = list(stop_ids) if stop_ids is not None else stop_token_ids(tokenizer, target_model)
     encoded = [torch.tensor(prompt_ids(tokenizer, row, enable_thinking), device=device) for row in prompts]
+
+    def decode(generate, ids: list[torch.Tensor], first: int, n: int) -> list[Generation]:
+        """Prompts `first..` decoded alone or as one batch, prompt i from its stream `prompt_seed(seed, i)`."""
+        streams = [_generator(device, prompt_seed(seed, first + j)) if temperature else None for j in range(len(ids))]
+        if batch_size == 1:
+            return [generate(ids[0], n, stop, **sampling, generator=streams[0])]
+        return generate(ids, n, stop, **sampling, generators=streams)
+
     if warmup and encoded:  # first calls pay for kernel selection and allocation, not decoding
-        decoder.generate(encoded[0], min(8, max_new_tokens), stop, **sampling)
+        decode(decoder.generate, encoded[:batch_size], 0, min(8, max_new_tokens))
         if baseline:
-            decoder.target_generate(encoded[0], min(8, max_new_tokens), stop, **sampling)
+            decode(decoder.target_generate, encoded[:batch_size], 0, min(8, max_new_tokens))
     records = []
     label = f"temperature {temperature:g}: speculative decoding" if temperature else "speculative decoding"
     with _progress(progress) as bar:
         task = bar.add_task(label, total=len(encoded))
-        for i, (row, ids) in enumerate(zip(prompts, encoded, strict=True)):
-            spec = decoder.generate(ids, max_new_tokens, stop, **sampling,
-                                    generator=_generator(device, prompt_seed(seed, i)) if temperature else None)
-            base = decoder.target_generate(ids, max_new_tokens, stop, **sampling,
-                                           generator=_generator(device, prompt_seed(seed, i)) if temperature else None
-                                           ) if baseline else None
-            records.append({
-                "category": row.get("category"), "prompt_tokens": int(ids.numel()), "new_tokens": len(spec.tokens),
-                "steps": spec.steps, "accepted_lengths": spec.accepted_lengths, "step_tokens": spec.step_tokens,
-                "verified_lengths": verified_lengths(spec.accepted_lengths, decoder.drafts, max_new_tokens),
-                "expected_accepted": spec.expected_accepted, "extras": spec.extras,
-                # sampled outputs differ from the target's own samples by design; only greedy ones must be equal
-                "first_mismatch": (first_mismatch(spec.tokens, base.tokens)
-                                   if temperature == 0 and base is not None else None),
-                "speculative_seconds": spec.seconds, "target_seconds": base.seconds if base is not None else None,
-            })
+        for first in range(0, len(encoded), batch_size):
+            ids = encoded[first: first + batch_size]
+            specs = decode(decoder.generate, ids, first, max_new_tokens)
+            bases = decode(decoder.target_generate, ids, first, max_new_tokens) if baseline else [None] * len(ids)
+            for row, prompt, spec, base in zip(prompts[first: first + batch_size], ids, specs, bases, strict=True):
+                records.append({
+                    "category": row.get("category"), "prompt_tokens": int(prompt.numel()),
+                    "new_tokens": len(spec.tokens), "steps": spec.steps, "accepted_lengths": spec.accepted_lengths,
+                    "step_tokens": spec.step_tokens,
+                    "verified_lengths": verified_lengths(spec.accepted_lengths, decoder.drafts, max_new_tokens),
+                    "expected_accepted": spec.expected_accepted, "extras": spec.extras,
+                    # sampled outputs differ from the target's own samples by design; only greedy ones must be equal
+                    "first_mismatch": (first_mismatch(spec.tokens, base.tokens)
+                                       if temperature == 0 and base is not None else None),
+                    # a batch's wall time is shared by its prompts: summed, the records give the whole run's
+                    "speculative_seconds": spec.seconds / len(ids),
+                    "target_seconds": base.seconds / len(ids) if base is not None else None,
+                })
             tau = pooled_tau(records)
-            bar.update(task, advance=1, description=f"{label}, tau {tau or 0:.2f}")
+            bar.update(task, advance=len(ids), description=f"{label}, tau {tau or 0:.2f}")
     drafter.train(modes[0]), target_model.train(modes[1])
     return {**summarize(records, drafter.config.block_size, max_new_tokens, greedy=temperature == 0 and baseline,
                         drafts=decoder.drafts, parts=drafter.config.preset.parts, served=served), **sampling,
-            "seed": seed}
+            "seed": seed, "batch_size": batch_size}
 
 
 def prompt_seed(seed: int, index: int) -> int:

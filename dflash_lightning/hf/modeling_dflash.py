@@ -55,8 +55,14 @@ def next_token(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.
 
 def accepted_length(draft: torch.Tensor, posterior: torch.Tensor) -> int:
     """Greedy acceptance: the longest prefix with `draft[k] == posterior[k-1]` (draft `[n]` of slots 1..n)."""
-    n = draft.numel()
-    return int((draft == posterior[:n]).long().cumprod(0).sum())
+    return int(accepted_lengths(draft, posterior))
+
+
+def accepted_lengths(draft: torch.Tensor, posterior: torch.Tensor) -> torch.Tensor:
+    """Greedy acceptance of rows at once (`accepted_length` of each): drafts `[..., n]`, posteriors `[..., >= n]`.
+    A draft no token equals (-1) ends its row's acceptance there.  # [...] long"""
+    n = draft.shape[-1]
+    return (draft == posterior[..., :n]).long().cumprod(-1).sum(-1)
 
 
 def verify_drafts(
@@ -395,6 +401,6 @@ def _crop(cache, length: int) -> None:
 
 
 __all__ = [
-    "DFlash2DraftModel", "DFlashDraftModel", "accepted_length", "check_sampling", "next_token", "sampling_probs",
-    "verify_drafts",
+    "DFlash2DraftModel", "DFlashDraftModel", "accepted_length", "accepted_lengths", "check_sampling", "next_token",
+    "sampling_probs", "verify_drafts",
 ]
