@@ -28,8 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "dflash_lightning/assets/tiny"
 
 
-def smoke_models(dtype: str):
-    """The tiny shipped target, its tokenizer and a random one-layer drafter of block 4 (CPU, untrained)."""
+def smoke_models(dtype: str, device: str = "cpu"):
+    """The tiny shipped target, its tokenizer and a random one-layer drafter of block 4 (untrained), on `device`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dflash_lightning.config import DrafterConfig
@@ -40,8 +40,9 @@ def smoke_models(dtype: str):
     cfg = DrafterConfig(num_layers=1, block_size=4, gamma=4.0)
     cfg = cfg.resolved(load_target_config(folder), *tokenizer_ids(folder))
     torch.manual_seed(0)
-    target = AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPES[dtype]).eval()
-    return DFlashDrafter(cfg).to(DTYPES[dtype]).eval(), target, AutoTokenizer.from_pretrained(folder)
+    target = AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPES[dtype]).to(device).eval()
+    drafter = DFlashDrafter(cfg).to(device=device, dtype=DTYPES[dtype]).eval()
+    return drafter, target, AutoTokenizer.from_pretrained(folder)
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -50,8 +51,8 @@ def measure(args: argparse.Namespace) -> dict:
     from dflash_lightning.decoding.evaluate import first_mismatch, pooled_tau, prompt_ids, read_prompts, stop_token_ids
 
     if args.smoke:
-        drafter, target, tokenizer = smoke_models(args.dtype)
-        device, name = "cpu", str(TINY / "target_model")
+        drafter, target, tokenizer = smoke_models(args.dtype, args.device)
+        device, name = args.device, str(TINY / "target_model")
     else:
         from dflash_lightning.commands.evaluate import load_served
 
@@ -112,11 +113,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--no-graphs", action="store_true", help="eager steps on CUDA too")
-    parser.add_argument("--smoke", action="store_true", help="CPU, the tiny target, a random drafter, fp32")
+    parser.add_argument("--smoke", action="store_true", help="the tiny target and a random drafter, on the CPU in "
+                        "fp32 unless --smoke-device names another (a GPU's graphs checked in seconds)")
+    parser.add_argument("--smoke-device", default="cpu", help="--smoke's device (its dtype: --dtype there)")
     parser.add_argument("--out", help="write the report here as JSON")
     args = parser.parse_args(argv)
     if args.smoke:
-        args.device, args.dtype = "cpu", "float32"
+        args.device = args.smoke_device
+        args.dtype = "float32" if args.device == "cpu" else args.dtype
     elif args.drafter is None:
         parser.error("--drafter is needed (or --smoke)")
     report = measure(args)

