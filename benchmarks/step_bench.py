@@ -53,6 +53,8 @@ from pathlib import Path
 import torch
 from lightning.pytorch import Callback, LightningDataModule, Trainer
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: benchmarks.measured
+from benchmarks.measured import SCALING_RESULT, ddp_efficiency  # noqa: E402
 from dflash_lightning.blocks import select_anchors
 from dflash_lightning.config import VARIANTS, DrafterConfig
 from dflash_lightning.module import DFlashModule
@@ -556,7 +558,8 @@ def main() -> None:
     parser.add_argument("--recipe-shape", default="3072,512", help="token budget,anchors of configs/qwen3-8b.yaml")
     parser.add_argument("--mean-tokens", type=float, default=1000, help="mean conversation length (projection)")
     parser.add_argument("--packing-fill", type=float, default=0.95, help="real tokens per budget token (projection)")
-    parser.add_argument("--ddp-efficiency", type=float, default=0.95, help="measured 2-GPU ddp scaling (projection)")
+    parser.add_argument("--ddp-efficiency", type=float, default=ddp_efficiency(),
+                        help=f"2-GPU DDP scaling (projection; default: the one of {SCALING_RESULT.name})")
     parser.add_argument("--token-budget", type=int, default=8192, help="tokens per packed row T")
     parser.add_argument("--anchors", type=int, default=512, help="anchors (blocks) per step A")
     parser.add_argument("--sliding-layers", type=int, default=0, help="drafter layers (of 5, first) that slide")
