@@ -72,3 +72,25 @@ def test_no_measured_figure_is_typed_into_the_code():
 def test_the_scan_finds_planted_figures_and_passes_settings(source, why):
     found = measured_constants(source, "planted.py")
     assert (found == []) if why is None else (len(found) == 1 and found[0].endswith(why)), found
+
+
+def test_the_readmes_mfu_is_against_the_cards_dense_peak_with_the_measured_matmul_beside_it():
+    """The README's drafter-step MFU divides the step's model TFLOP/s by the card's dense bf16 peak, and the fraction
+    of the matmul throughput measured on the card stands beside it, both as step_bench computes them."""
+    import json
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from step_bench import DENSE_BF16_TFLOPS, utilisation
+    finally:
+        sys.path.pop(0)
+    (row,) = [line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| drafter step, ")]
+    m = re.search(r"MFU (\d\.\d\d) of the H200's dense bf16 peak \((\d+) TFLOP/s; (\d\.\d\d) of the (\d+) TFLOP/s "
+                  r"bf16 matmul measured on it\)", row)
+    assert m, row
+    result = json.loads((ROOT / "benchmarks/results/h200-2026-11-29.json").read_text())
+    step, matmul = result["drafter_step"]["compiled[default]"], result["bf16_matmul_peak_tflops"]
+    figures = utilisation(step["tflops"], result["gpu"], matmul)
+    assert [m[1], m[3]] == [f"{figures['mfu']:.2f}", f"{figures['matmul_fraction']:.2f}"]
+    assert [int(m[2]), int(m[4])] == [round(DENSE_BF16_TFLOPS[result["gpu"]]), round(matmul)]
