@@ -1,6 +1,6 @@
 """No measured figure typed into code: dflash_lightning/ and benchmarks/ read theirs from the results file that
 measured them (benchmarks/measured.py), so a rerun moves every figure built on it. The scan below finds what looks
-like a typed one, and is tried on planted ones."""
+like a typed one, and is tried on planted ones. Figures the docs quote are the measured or collected ones."""
 
 from __future__ import annotations
 
@@ -94,3 +94,18 @@ def test_the_readmes_mfu_is_against_the_cards_dense_peak_with_the_measured_matmu
     figures = utilisation(step["tflops"], result["gpu"], matmul)
     assert [m[1], m[3]] == [f"{figures['mfu']:.2f}", f"{figures['matmul_fraction']:.2f}"]
     assert [int(m[2]), int(m[4])] == [round(DENSE_BF16_TFLOPS[result["gpu"]]), round(matmul)]
+
+
+def test_the_pinned_only_count_the_docs_quote_is_checked_against_the_collected_one():
+    """tests/conftest.py compares docs/versions.md's pinned_only count with the collected one whenever the whole suite
+    is collected (CI's every part); here, that the comparison refuses another number and a doc without one."""
+    from conftest import QUOTED_COUNT, VERSIONS_DOC, check_quoted_count
+
+    text = VERSIONS_DOC.read_text()
+    quoted = int(QUOTED_COUNT.search(text)[1])
+    check_quoted_count(text, quoted)
+    stale = f"says {quoted} tests are pinned_only; the suite collects {quoted + 1}:"
+    with pytest.raises(pytest.UsageError, match=stale):
+        check_quoted_count(text, quoted + 1)
+    with pytest.raises(pytest.UsageError, match="no 'lists the marked tests: N' sentence"):
+        check_quoted_count(text.replace("lists the marked", "shows the marked"), quoted)
