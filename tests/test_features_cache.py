@@ -154,7 +154,8 @@ def test_cache_with_final_hidden_states_round_trips_and_feeds_distillation(setup
     with pytest.raises(ConfigError, match="target.fp8: data.feature_cache .* serves stored features"):
         cli_main(["fit", "--config", setup["config"], f"--data.feature_cache={out}", "--target.fp8=true",
                   "--target.dtype=bfloat16", f"--trainer.default_root_dir={tmp_path}"])
-    with pytest.raises(FeatureCacheError, match="has no final_hidden .* --final_hidden true"):
+    with pytest.raises(FeatureCacheError, match=r"has no final_hidden \(the target's final hidden states\), which "
+                                                r"model.objective 'kl' needs: .* --final_hidden true$"):
         cli_main(["fit", "--config", setup["config"], f"--data.feature_cache={setup['root'] / 'bf16'}",
                   "--model.objective=kl", "--trainer.max_steps=1", f"--trainer.default_root_dir={tmp_path}"])
 
@@ -470,7 +471,7 @@ def part_weights(module) -> dict[str, torch.Tensor]:
 def check_cache_trains_a_part_offline(setup: dict, tmp_path: Path, args: list[str], monkeypatch):
     """`cache` with a part that reads the target's final hidden state (`args` name its variant) stores them by
     default and a 2-step fit reads them and moves every weight of the variant's parts; a cache without them is
-    refused in one line naming the flag. The fit's CLI."""
+    refused in one line naming the variant that reads them and the flag that writes them. The fit's CLI."""
     from dflash_lightning.cli import cli_main
     from dflash_lightning.data.feature_cache import FeatureCache, FeatureCacheError
     from dflash_lightning.module import DFlashModule
@@ -487,7 +488,9 @@ def check_cache_trains_a_part_offline(setup: dict, tmp_path: Path, args: list[st
     after = part_weights(cli.model)
     assert before and before.keys() == after.keys()
     assert not [name for name in after if torch.equal(before[name], after[name])], "weights the fit left as they were"
-    with pytest.raises(FeatureCacheError, match="has no final_hidden .* --final_hidden true"):
+    (variant,) = [a.partition("=")[2] for a in args if a.startswith("--model.drafter.variant=")]
+    with pytest.raises(FeatureCacheError, match=r"has no final_hidden \(the target's final hidden states\), which "
+                                                rf"model.drafter.variant '{variant}' needs: .* --final_hidden true$"):
         cli_main(["fit", "--config", setup["config"], f"--data.feature_cache={setup['root'] / 'bf16'}", *args,
                   "--trainer.max_steps=1", f"--trainer.default_root_dir={tmp_path / 'b'}"])
     return cli

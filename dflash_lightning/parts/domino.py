@@ -443,10 +443,7 @@ class DominoCorrection(Part):
     def check_run(cls, settings: DominoSettings, run: RunSettings) -> None:
         """Section 13's loss is the CE of the data tokens over exp(-k / gamma) slot weights, and its curriculum falls
         over the run's real total of optimizer steps (refused where the run has none, never silently off)."""
-        if run.objective != "ce" or run.loss_weights != "decay":
-            raise ConfigError(f"model.objective={run.objective}, model.loss_weights={run.loss_weights}: Domino "
-                              f"(model.drafter.domino) trains with section 13's loss: set model.objective=ce and "
-                              f"model.loss_weights=decay")
+        run.require_own_loss("Domino (model.drafter.domino) trains with section 13's loss")
         total = run.total_steps
         if settings.needs_total_steps and total is not None and not 1 <= total < math.inf:
             raise ConfigError(f"model.drafter.domino.lambda_base_start={settings.lambda_base_start}: the base-to-final "
