@@ -192,7 +192,7 @@ class Shard:
             header = json.loads(self._map[8 : 8 + n])
             header.pop("__metadata__", None)
             with warnings.catch_warnings():  # read-only map: the views are only ever read
-                warnings.simplefilter("ignore", UserWarning)
+                warnings.filterwarnings("ignore", message="The given buffer is not writable")
                 data = torch.frombuffer(self._map, dtype=torch.uint8)
             self.tensors: dict[str, Tensor] = {}
             for name, info in header.items():
