@@ -44,9 +44,12 @@ from dflash_lightning.data.feature_cache import (
 from dflash_lightning.data.feature_cache_writer import plan_shards, write_shard
 from dflash_lightning.long_runs.atomic import write_json
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: benchmarks.measured
+from benchmarks.measured import STEP_RESULT, h200_drafter_step_s  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
 QWEN3_8B_FEATURE_DIM = 5 * 4096  # K * H of the recipe
 CHECKSUMS = os.environ.get("DATA_BENCH_CHECKSUMS", "1") == "1"  # 0: shards without per-sample crc32 (old caches)
-GPU_STEP_S = 0.15065608919999987  # compiled drafter step at 8192 tokens, 512 anchors (h200-2026-11-29.json)
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -144,11 +147,13 @@ def main() -> None:
     letters = "abcdefghijklmnopqrstuvwxyz"
     words = ["".join(rng.choices(letters, k=rng.randint(2, 9))) for _ in range(6000)]
     widths = [int(w) for w in args.widths.split(",")]
-    gpu_batches_per_s = 1 / GPU_STEP_S
+    gpu_step_s = h200_drafter_step_s()
+    gpu_batches_per_s = 1 / gpu_step_s
     result = {"cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
               "malloc_mmap_threshold": int(os.environ["MALLOC_MMAP_THRESHOLD_"]),
               "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "docs": args.docs,
-              "gpu_drafter_step_s": GPU_STEP_S, "gpu_batches_per_s": gpu_batches_per_s}
+              "gpu_drafter_step_s": gpu_step_s, "gpu_drafter_step_from": str(STEP_RESULT.relative_to(ROOT)),
+              "gpu_batches_per_s": gpu_batches_per_s}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         tokens_per_word = make_tokenizer(root / "tok", words, rng)

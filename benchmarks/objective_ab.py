@@ -7,13 +7,16 @@ then `evaluate` of its last.ckpt on the 74 held-out prompts, as the README's fir
     python benchmarks/objective_ab.py --out benchmarks/results/tiny-objectives.json
 
 Runs go one at a time by default, seed by seed (`--jobs N --threads M` runs N at once with M threads each, on
-a machine with N * M free cores); a finished run is read, not redone, so an interrupted A/B resumes.
+a machine with N * M free cores); a finished run is read, not redone, so an interrupted A/B resumes. A run folder
+keeps the arguments it was made with (`arguments.json`: the config and its content, the recipe's settings with --set
+and --steps, the seed, --device, --temperatures, --prompts and evaluate's options); one made with others is refused.
 The DFlash / DFlash2 A/B (issue 24), sampled too, on a GPU (`--device cuda`: fit and evaluate there, in fp32):
 
     python benchmarks/objective_ab.py --recipes dpace-ce,dflash2-dpace-ce --temperatures 0,0.6,1 --device cuda \
         --out benchmarks/results/tiny-dflash2-ab.json
 
-DSpark against DFlash2 at the tiny default's block size (issue 37; not yet run):
+DSpark against DFlash2 at the tiny default's block size (issue 37; as run on the CPU beside LiLiCorr, seed 0:
+benchmarks/results/cpu-2026-12-04-tiny-lilicorr-dspark-seed0.json):
 
     python benchmarks/objective_ab.py --recipes dflash2-dpace-ce,dspark --temperatures 0,0.6,1 --device cuda \
         --out benchmarks/results/tiny-dspark-ab.json
@@ -27,14 +30,16 @@ the chosen lattice served against DFlash2, a longer run and a warm start from th
     python benchmarks/objective_ab.py --recipes dflash2-dpace-ce,lilicorr-conv-tokens,lilicorr-conv-tokens-warm \
         --seeds 0,1 --temperatures 0,0.6,1 --out Y.json
 
-XPress against DFlash2 and DSpark (issue 44; not yet run): `xpress` drafts as vLLM 0.34 serves it (the greedy Jacobi
-block, point masses at T > 0), `xpress-gumbel` with the xPress harness's sampled drafts and their q at T > 0 (the same
-at T 0), `xpress-prev0-anchor` trains with the anchor as prev_0, which is what vLLM feeds when it serves:
+XPress against DFlash2 and DSpark (issue 44; `xpress` ran on the CPU, seeds 0 and 1, with `domino`:
+benchmarks/results/cpu-2026-12-05-tiny-xpress-domino.json; its two alternatives have not): `xpress` drafts as vLLM
+0.34 serves it (the greedy Jacobi block, point masses at T > 0), `xpress-gumbel` with the xPress harness's sampled
+drafts and their q at T > 0 (the same at T 0), `xpress-prev0-anchor` trains with the anchor as prev_0, which is what
+vLLM feeds when it serves:
 
     python benchmarks/objective_ab.py --recipes dflash2-dpace-ce,dspark,xpress,xpress-gumbel,xpress-prev0-anchor \
         --temperatures 0,0.6,1 --seeds 0,1 --device cuda --out benchmarks/results/tiny-xpress-ab.json
 
-Domino against DFlash2 and DSpark at the tiny default's block size (issue 44; not yet run):
+Domino against DFlash2 and DSpark at the tiny default's block size (issue 44; `domino` ran on the CPU, as above):
 
     python benchmarks/objective_ab.py --recipes dflash2-dpace-ce,dspark,domino --temperatures 0,0.6,1 --device cuda \
         --out benchmarks/results/tiny-domino-ab.json
@@ -208,6 +213,29 @@ def one_run(name: str, seed: int, work: Path, base: dict, config_name: str, thre
                         prompts, evaluate_args)
 
 
+ARGUMENTS = "arguments.json"
+"""A run folder's record of every argument that changes its fit or its evaluation, written before the fit starts."""
+
+
+def check_arguments(run_dir: Path, arguments: dict) -> None:
+    """Refuse a run folder made with other arguments (its run.json holds their figures) or whose arguments are not
+    recorded, naming the ones that differ; a new folder gets them."""
+    path = run_dir / ARGUMENTS
+    arguments = json.loads(json.dumps(arguments))  # as read back: lists for tuples
+    if path.exists():
+        made = json.loads(path.read_text())
+        differ = sorted(k for k in made.keys() | arguments.keys() if made.get(k) != arguments.get(k))
+        if differ:
+            raise SystemExit(f"{run_dir}: made with other {', '.join(differ)} than this run's; give another --work or "
+                             "remove the folder")
+    elif run_dir.exists() and any(run_dir.iterdir()):
+        raise SystemExit(f"{run_dir}: a run folder without {ARGUMENTS}, so the arguments it was made with are not "
+                         "known; give another --work or remove the folder")
+    else:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(arguments, indent=2) + "\n")
+
+
 def _one_run(name: str, seed: int, work: Path, base: dict, config_name: str, threads: int | None, device: str,
              temperatures: str, steps: int | None, fit_only: bool, extra: dict | None, prompts: str,
              evaluate_args: tuple[str, ...]) -> dict:
@@ -215,12 +243,16 @@ def _one_run(name: str, seed: int, work: Path, base: dict, config_name: str, thr
     run_dir = work / run_name(name, seed, steps)
     report_path = run_dir / "eval" / "report.json"
     record_path = run_dir / "run.json"
-    if record_path.exists() and (fit_only or report_path.exists()):
-        return json.loads(record_path.read_text())
     settings = {k: v(base) if callable(v) else v for k, v in RECIPES[name].items()}  # from the config's target
     settings |= extra or {}
     if steps:
         settings["trainer.max_steps"] = steps
+    # threads and fit_only change no figure (a fit-only run's fit is the full run's)
+    check_arguments(run_dir, {"config": config_name, "config_content": base, "recipe": name, "settings": settings,
+                              "seed": seed, "device": device, "temperatures": temperatures, "prompts": prompts,
+                              "evaluate_args": evaluate_args})
+    if record_path.exists() and (fit_only or report_path.exists()):
+        return json.loads(record_path.read_text())
     for key, value in settings.items():  # "@recipe": that recipe's last checkpoint of this seed, fit first if absent
         if isinstance(value, str) and value.startswith("@"):
             one_run(value[1:], seed, work, base, config_name, threads, device, temperatures, steps, fit_only, extra,

@@ -2,10 +2,10 @@
 step time and context tokens/s, the packing fill and mean conversation length of the data it trained on, the
 checkpoint interval of its config, and a measured stall per save (benchmarks/checkpoint_bench.py, or a number).
 
-    python benchmarks/project.py --fit fit.json --gpus 8 --efficiency 0.946 --conversations 800000 --epochs 6 \\
+    python benchmarks/project.py --fit fit.json --gpus 8 --conversations 800000 --epochs 6 \\
         --save-stall-s 1.2 --out projection.json
 
-`--efficiency`: the measured DDP scaling (0.946 on two H200s, benchmarks/RESULTS.md, 2026-11-29).
+`--efficiency`: the scaling efficiency; by default the DDP one measured on two H200s (benchmarks/measured.py).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.measured import SCALING_RESULT, ddp_efficiency  # noqa: E402
 from benchmarks.step_bench import projection  # noqa: E402
 
 
@@ -35,7 +36,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fit", type=Path, required=True, help="a benchmarks/fit_bench.py result")
     parser.add_argument("--gpus", type=int, default=8)
-    parser.add_argument("--efficiency", type=float, default=0.946, help="measured multi-GPU scaling efficiency")
+    parser.add_argument("--efficiency", type=float, default=ddp_efficiency(),
+                        help=f"multi-GPU scaling efficiency (default: the 2-GPU DDP one of {SCALING_RESULT.name})")
     parser.add_argument("--conversations", type=float, default=800e3)
     parser.add_argument("--epochs", type=int, default=6)
     parser.add_argument("--save-stall-s", type=float, default=0.0, help="training stall per periodic save, measured")

@@ -16,7 +16,8 @@ FLOPs per step (model FLOPs, forward + backward, no recomputation counted):
   attention       12 * head_dim * heads * visible (query, key) pairs, counted from the batch's block mask
   frozen head     4 * A*B * hidden * vocab (logits forward and the hidden-state gradient; no weight gradient),
                   plus 2 * A*B * hidden * vocab for the teacher's logits when the objective distills
-MFU = FLOPs / step seconds / measured bf16 matmul peak.
+MFU = FLOPs / step seconds / the card's dense bf16 peak (its datasheet's, `DENSE_BF16_TFLOPS`); beside it the
+fraction of the bf16 matmul throughput measured on the card (`matmul_fraction`).
 
 Also reported: the compile warm-up (all warm-up steps minus as many steady steps) with a fresh compiler
 cache, and again in a new process that finds the cache; recompiles and host syncs (CUDA sync debug mode)
@@ -53,6 +54,8 @@ from pathlib import Path
 import torch
 from lightning.pytorch import Callback, LightningDataModule, Trainer
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: benchmarks.measured
+from benchmarks.measured import SCALING_RESULT, ddp_efficiency  # noqa: E402
 from dflash_lightning.blocks import select_anchors
 from dflash_lightning.config import VARIANTS, DrafterConfig
 from dflash_lightning.module import DFlashModule
@@ -66,6 +69,18 @@ QWEN3_8B = dict(
 )
 MASK_ID = 151669
 PROFILED = [torch.profiler.ProfilerActivity.CUDA]  # kernels only: CPU ops would count their kernels twice
+
+
+DENSE_BF16_TFLOPS = {"NVIDIA H200": 989.4, "NVIDIA H100 80GB HBM3": 989.4}
+"""Dense bf16 tensor-core peak by `torch.cuda.get_device_name()`, from the SXM datasheets (which print 1,979 TFLOP/s,
+with 2:4 sparsity); a card not listed has no MFU, only its `matmul_fraction`."""
+
+
+def utilisation(tflops: float, gpu: str, matmul_tflops: float) -> dict[str, float | None]:
+    """MFU against the card's dense bf16 peak (None where `DENSE_BF16_TFLOPS` lacks the card) and the fraction of the
+    matmul throughput measured on it."""
+    peak = DENSE_BF16_TFLOPS.get(gpu)
+    return {"mfu": tflops / peak if peak else None, "matmul_fraction": tflops / matmul_tflops}
 
 
 def matmul_peak(n: int = 8192, iters: int = 20) -> float:
@@ -556,7 +571,8 @@ def main() -> None:
     parser.add_argument("--recipe-shape", default="3072,512", help="token budget,anchors of configs/qwen3-8b.yaml")
     parser.add_argument("--mean-tokens", type=float, default=1000, help="mean conversation length (projection)")
     parser.add_argument("--packing-fill", type=float, default=0.95, help="real tokens per budget token (projection)")
-    parser.add_argument("--ddp-efficiency", type=float, default=0.95, help="measured 2-GPU ddp scaling (projection)")
+    parser.add_argument("--ddp-efficiency", type=float, default=ddp_efficiency(),
+                        help=f"2-GPU DDP scaling (projection; default: the one of {SCALING_RESULT.name})")
     parser.add_argument("--token-budget", type=int, default=8192, help="tokens per packed row T")
     parser.add_argument("--anchors", type=int, default=512, help="anchors (blocks) per step A")
     parser.add_argument("--sliding-layers", type=int, default=0, help="drafter layers (of 5, first) that slide")
@@ -603,6 +619,7 @@ def main() -> None:
         result["torchao"] = None
     peak = matmul_peak()
     result["bf16_matmul_peak_tflops"] = peak / 1e12
+    result["bf16_dense_peak_tflops"] = DENSE_BF16_TFLOPS.get(result["gpu"])
     out = Path(os.environ["OUT"], "bench.json") if os.environ.get("OUT") else None
 
     written = [0.0]  # when the partial results were last written
@@ -647,7 +664,7 @@ def main() -> None:
                                  RandomFeatures(), logs, profile_steps=profile, precision=precision, fp8=fp8,
                                  fp8_recipe=recipe, **shape, **recipe_kw, progress=progress, name=name)
             if "tflops" in runs[name]:
-                runs[name]["mfu"] = runs[name]["tflops"] * 1e12 / peak
+                runs[name] |= utilisation(runs[name]["tflops"], result["gpu"], peak / 1e12)
             if i == 0:
                 runs[name]["compile_breakdown_s"] = compile_breakdown()
                 if "warm" not in skip and (precision, fp8) == ("bf16-true", "none"):  # what the probe's child runs
@@ -655,7 +672,7 @@ def main() -> None:
             report("drafter_step", runs)
         if "eager" not in skip:
             runs["eager"] = run_fit(target, False, None, 3, 10, RandomFeatures(), logs, **shape, **recipe_kw)
-            runs["eager"]["mfu"] = runs["eager"]["tflops"] * 1e12 / peak
+            runs["eager"] |= utilisation(runs["eager"]["tflops"], result["gpu"], peak / 1e12)
             report("drafter_step", runs)
         ok = [r for r in runs.values() if "step_s" in r and r["compile"]]
         mixed = [r for r in ok if r["precision"] == "bf16-mixed" and r["fp8"] == "none"]

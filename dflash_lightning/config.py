@@ -301,6 +301,14 @@ class DrafterConfig:
         return out
 
 
+class UnusedPartSettings(ConfigError):
+    """A part's setting given where the variant lacks the part (`variant`: the variant that lacks it)."""
+
+    def __init__(self, message: str, variant: str) -> None:
+        super().__init__(message)
+        self.variant = variant
+
+
 def check_unused_parts(config: DrafterConfig) -> None:
     """Refuse a part's setting given a value other than its default where the variant lacks the part (it would be
     ignored), naming the setting and the variants that have the part. Checked where a user sets them (the module),
@@ -316,11 +324,11 @@ def check_unused_parts(config: DrafterConfig) -> None:
         given = ", ".join(f"{key}{name}={getattr(settings, name)}" for name in changed)
         default = ", ".join(f"{key}{name}={getattr(defaults, name)}" for name in changed)
         users = ", ".join(v for v, p in PRESETS.items() if part in p.parts)
-        raise ConfigError(
+        raise UnusedPartSettings(
             f"{given}: variant '{config.variant}' has no {part.name} part, so {'it' if len(changed) == 1 else 'they'}"
             f" would be ignored; the variants with it: {users}. Set model.drafter.variant to one of those, or drop "
             f"the setting{'s' if len(changed) > 1 else ''} from the config and command line (or override with the "
-            f"default: {default})")
+            f"default: {default})", config.variant)
 
 
 def _plain(value: Any) -> Any:
@@ -368,6 +376,6 @@ def _rope_settings(text_config: Any) -> tuple[float, dict[str, Any] | None]:
 
 
 __all__ = [
-    "VARIANTS", "ConfigError", "DrafterConfig", "check_unused_parts", "default_target_layer_ids", "upgrade_fields",
-    "upgrade_record",
+    "VARIANTS", "ConfigError", "DrafterConfig", "UnusedPartSettings", "check_unused_parts", "default_target_layer_ids",
+    "upgrade_fields", "upgrade_record",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -91,13 +92,30 @@ def tiny_target(tmp_path_factory) -> Path:
 #       reads or a fault our own code handles, the calls into the libraries of the named test, which runs on
 #       every set.
 PINNED_ONLY_REASONS = ("reference", "tool")
+VERSIONS_DOC = Path(__file__).parents[1] / "docs" / "versions.md"
+QUOTED_COUNT = re.compile(r"lists the marked\s+tests: (\d+) ")
+"""Where docs/versions.md quotes how many tests are pinned_only: checked against the count whenever the whole suite
+is collected."""
+
+
+def check_quoted_count(text: str, marked: int, source: str = "docs/versions.md") -> None:
+    """Refuse a doc whose quoted pinned_only count is not the `marked` tests collected."""
+    quoted = QUOTED_COUNT.search(text)
+    if quoted is None:
+        raise pytest.UsageError(f"{source}: no 'lists the marked tests: N' sentence to check the pinned_only count by")
+    if int(quoted[1]) != marked:
+        raise pytest.UsageError(f"{source} says {quoted[1]} tests are pinned_only; the suite collects {marked}: "
+                                "write that count there")
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects any
 def pytest_collection_modifyitems(config, items):
     """Refuse a pinned_only mark without one of its reasons; on the whole suite, also one naming a test that is not
-    collected or is pinned_only itself."""
+    collected or is pinned_only itself, and a pinned_only count in docs/versions.md other than the collected one."""
     whole = config.args_source is pytest.Config.ArgsSource.TESTPATHS
+    if whole:
+        check_quoted_count(VERSIONS_DOC.read_text(), sum(item.get_closest_marker("pinned_only") is not None
+                                                         for item in items))
     by_id = {item.nodeid: item for item in items}
     for item in items:
         for mark in item.iter_markers("pinned_only"):  # a parametrized test may carry one per parameter

@@ -5,9 +5,11 @@ domino_greedy_rollout, for tests/test_domino.py.
     ENGINE_PYTHON tests/domino_engines.py IN.pt OUT.pt    (exit 3: SGLang is not installed)
 
 IN.pt: a list of cases {"config": config.json as a dict, "weights": {name: bf16 tensor}, "inputs": {"hidden" [A, B, H]
-backbone outputs, "first" [A] slot-0 tokens, "embed" [V, H] and "head" [V, H] the target's}, "pools": [pool sizes]}.
+backbone outputs, "first" [A] slot-0 tokens, "embed" [V, H] and "head" [V, H] the target's}, "pools": [pool sizes],
+"dtypes": [(a launch's --dtype, a target config.json's dtype)]}.
 OUT.pt: one per case {"missing": parameters the folder left unset, "unexpected": folder tensors found in no parameter,
-"parsed": the Domino fields SGLang parsed, "drafts": {pool: [A, B - 1]} (fp32), "drafts_bf16": {pool: [A, B - 1]}}.
+"parsed": the Domino fields SGLang parsed, "drafts": {pool: [A, B - 1]} (fp32), "drafts_bf16": {pool: [A, B - 1]},
+"starts": {(--dtype, target dtype): validate_domino_runtime's refusal, None where it starts}}.
 
 SGLang's import chain and its CPU paths need three things beyond `pip install --no-deps sglang==0.5.23`: the
 environment SGLANG_USE_CPU_ENGINE=1 (else its rotary embedding reaches for vLLM's CUDA kernels), stand-ins for
@@ -109,7 +111,30 @@ def run(case: dict) -> dict:
             lm_head_weight=x["head"].to(dtype), prefix_gru=gru, embed_proj=proj, vocab_size=x["head"].shape[0],
             shift_label=bool(model.shift_label), candidate_pool_size=pool, in_cuda_graph=False)
             for pool in case["pools"]}
+    out["starts"] = {(flag, dtype): starts(model, case["config"], x, flag, dtype) for flag, dtype in case["dtypes"]}
     return {"missing": missing, "unexpected": unexpected, "parsed": parsed, **out}
+
+
+def starts(model, config: dict, x: dict, flag: str, target_dtype: str | None) -> str | None:
+    """What SGLang's Domino runtime check says of a launch with `--dtype flag` for a target whose config.json names
+    `target_dtype`: the dtypes its model config gives target and drafter, then validate_domino_runtime on the target's
+    embedding and head and the projector in them (a CUDA device named, nothing run on it); None: it starts."""
+    from sglang.srt.configs.model_config import _get_and_verify_dtype
+    from sglang.srt.speculative.domino_utils import validate_domino_runtime
+
+    target = _get_and_verify_dtype({"dtype": target_dtype, "model_type": "qwen3"}, flag)
+    drafter = _get_and_verify_dtype(config, flag)
+    head = torch.nn.Linear(x["head"].shape[1], x["head"].shape[0], bias=False, dtype=target)
+    try:
+        validate_domino_runtime(
+            device=torch.device("cuda"), tp_size=1, tp_rank=0, target_vocab_size=head.out_features,
+            draft_vocab_size=config["vocab_size"], hidden_size=config["hidden_size"],
+            target_embedding=torch.nn.Embedding.from_pretrained(x["embed"].to(target)), lm_head=head,
+            prefix_gru=copy.deepcopy(model.prefix_gru).to(drafter),
+            embed_proj=copy.deepcopy(model.embed_proj).to(drafter))
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 if __name__ == "__main__":

@@ -157,7 +157,7 @@ def first(what: str, name: str) -> float:
 # ------------------------------------------------------------------------------------------- in-process runs
 
 
-def test_gpu_configs_write_checkpoints_in_the_background():
+def test_gpu_configs_name_the_background_checkpoint_writer():
     for path in GPU_CONFIGS:
         plugins = yaml.safe_load(path.read_text())["trainer"].get("plugins") or []
         assert any(p.get("class_path") == PLUGIN for p in plugins), path.name

@@ -117,6 +117,50 @@ def test_objective_ab_fits_a_warm_starts_dependency_once_when_both_run_at_once(t
     assert "train/lilicorr/supervised_slots" not in dependency["curves"]
 
 
+def test_objective_ab_reads_a_finished_run_only_with_the_arguments_it_was_made_with(tmp_path, monkeypatch):
+    """A finished run is read back, not redone, for the same arguments; another --config content, --device,
+    --temperatures, --set, --steps' setting, --prompts or evaluate option is refused by name, as is a folder that
+    does not record its arguments."""
+    import yaml
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import objective_ab
+    finally:
+        sys.path.pop(0)
+    fits = []
+
+    def fake_run(cmd, **kwargs):  # fit writes a checkpoint, evaluate a report
+        if "fit" in cmd:
+            fits.append(cmd)
+            return
+        out = Path(cmd[cmd.index("--out") + 1])
+        out.mkdir(parents=True)
+        (out / "report.json").write_text(json.dumps({k: 1.0 for k in (
+            "tau_pooled", "tau_prompt_mean", "tokens_per_step", "mismatches", "num_prompts", "speedup")}))
+
+    monkeypatch.setattr(objective_ab.subprocess, "run", fake_run)
+    base = yaml.safe_load((ROOT / "configs/tiny.yaml").read_text())
+    kw = dict(temperatures="0", extra={}, prompts="p.jsonl", evaluate_args=("--num_prompts", "4"))
+
+    def run(**change):
+        args = {"base": base, "device": "cpu", **kw, **change}
+        return objective_ab.one_run("dpace-ce", 0, tmp_path, args.pop("base"), "configs/tiny.yaml", **args)
+
+    first = run()
+    assert run() == first and len(fits) == 1  # read back
+    other = {**base, "model": {**base["model"], "lr": 1e-3}}
+    for change, named in [({"base": other}, "config_content"), ({"device": "cuda"}, "device"),
+                          ({"temperatures": "0,1"}, "temperatures"), ({"extra": {"data.x": 1}}, "settings"),
+                          ({"prompts": "q.jsonl"}, "prompts"), ({"evaluate_args": ()}, "evaluate_args")]:
+        with pytest.raises(SystemExit, match=f"dpace-ce-seed0: made with other {named} than this run's"):
+            run(**change)
+    assert len(fits) == 1
+    (tmp_path / "dpace-ce-seed0" / objective_ab.ARGUMENTS).unlink()  # as a folder made before they were recorded
+    with pytest.raises(SystemExit, match="dpace-ce-seed0: a run folder without arguments.json"):
+        run()
+
+
 def test_step_bench_diagnostics_report_steps_settings_and_where_a_stage_stalled():
     """What makes a stalled GPU run readable: a line per step, the compiler settings, a timeout with its stack."""
     import time

@@ -94,10 +94,17 @@ def test_no_progress_bar_leaves_out_the_configs_bar(run_config):
 
 
 def test_validate_from_checkpoint(run_config):
+    """`validate --ckpt_path` validates the checkpoint's weights: the module holds them, and its val/loss is not the
+    freshly built drafter's."""
+    import torch
+
     cli_main(["fit", "--config", str(run_config), "--trainer.max_steps=2"])
     ckpt = sorted(run_config.parent.rglob("*.ckpt"))[-1]
     cli = cli_main(["validate", "--config", str(run_config), "--ckpt_path", str(ckpt)])
-    assert "val/loss" in cli.trainer.callback_metrics
+    saved, held = torch.load(ckpt, weights_only=True)["state_dict"], cli.model.state_dict()
+    assert saved.keys() == held.keys() and all(torch.equal(saved[k], held[k]) for k in saved)
+    fresh = cli_main(["validate", "--config", str(run_config)])
+    assert fresh.trainer.callback_metrics["val/loss"] != cli.trainer.callback_metrics["val/loss"]
 
 
 def test_print_config_shows_linked_sections(run_config, capsys):

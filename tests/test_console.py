@@ -73,3 +73,18 @@ def test_the_progress_bar_counts_epochs_to_the_end_max_steps_sets():
     assert described(1, max_epochs=3) == "Epoch 1/2"  # max_epochs ends it first
     assert described(2, max_steps=-1, max_epochs=5) == "Epoch 2/4"  # Lightning's own
     assert described(3, num_training_batches=float("inf")) == "Epoch 3"  # no length: no end to show
+
+
+def test_the_suite_filters_warnings_by_message_so_a_new_one_shows():
+    """pyproject.toml's filters each name a message (never a whole class, which would hide a new warning of torch or
+    Lightning), and they take effect: the README's test command keeps pytest's warnings plugin."""
+    import tomllib
+
+    from _pytest.warnings import parse_warning_filter
+
+    filters = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["filterwarnings"]
+    for entry in filters:
+        action, message, *_ = parse_warning_filter(entry, escape=False)
+        assert action == "ignore" and message, f"{entry!r}: a filter names the message it ignores"
+    command = next(line for line in (ROOT / "README.md").read_text().splitlines() if "python -m pytest" in line)
+    assert "no:warnings" not in command, command

@@ -1,8 +1,9 @@
-"""The part contract (dflash_lightning/parts/base.py) held for every part and every preset at once, as torchtitan's
-test_train_spec.py builds every registered spec: each part registered once and named only in parts/, the folder's
-fields and weights round trip, every weight the backbone's or one part's, every part's metric names prefixed and
-logged, warm start from every other preset (refused in one line, or the rest dropped with one logged line), greedy
-decoding lossless with each part's served report, and sampled decoding lossless by an exact chi-square test.
+"""The part contract (dflash_lightning/parts/base.py) held for every part and every preset at once (torchtitan's
+test_train_spec.py checks its registry with llama3's spec and a fake one; here every entry is checked): each part
+registered once and named only in parts/, the folder's fields and weights round trip, every weight the backbone's or
+one part's, every part's metric names prefixed and logged, warm start from every other preset (refused in one line,
+or the rest dropped with one logged line), greedy decoding lossless with each part's served report, and sampled
+decoding lossless by an exact chi-square test.
 
 A new part adds its small settings to `TINY`; a new preset needs nothing here.
 """

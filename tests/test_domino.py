@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shlex
 import subprocess
 import weakref
 from pathlib import Path
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from dflash_lightning.config import DrafterConfig
 from dflash_lightning.errors import ConfigError
 from dflash_lightning.loss import LossSettings, chunked_head_loss
 from dflash_lightning.parts.domino import (
@@ -426,8 +428,8 @@ def test_folder_fields_round_trip_and_are_what_sglang_reads():
     assert read_folder_fields(dflash, {}, "f") == back
     assert read_folder_fields({**dflash, "emb_dim": None}, top, "f") == back
     assert DominoCorrection.folder_dtype == FOLDER_DTYPE == "bfloat16"
-    assert sglang_flags(DominoSettings()) == [] and SGLANG_POOL == 2048
-    assert sglang_flags(settings) == ["--speculative-domino-candidate-pool-size 0"]
+    assert sglang_flags(DominoSettings()) == ["--dtype bfloat16"] and SGLANG_POOL == 2048
+    assert sglang_flags(settings) == ["--dtype bfloat16", "--speculative-domino-candidate-pool-size 0"]
 
 
 @pytest.mark.parametrize(("change", "top", "message"), [
@@ -678,7 +680,7 @@ def test_export_writes_sglangs_bf16_folder_and_says_vllm_has_no_runtime(tiny_tar
     assert {v.dtype for v in load_file(folder / "model.safetensors").values()} == {torch.bfloat16}
     assert "vllm serve" not in printed and f"\n{VLLM_NOTE}\n" in printed
     assert (f"--speculative-algorithm DFLASH --speculative-draft-model-path {folder} --speculative-dflash-block-size 4 "
-            f"--speculative-domino-candidate-pool-size 0\n") in printed
+            f"--dtype bfloat16 --speculative-domino-candidate-pool-size 0\n") in printed
     cfg, state = import_folder(folder)
     assert cfg.variant == "domino" and cfg.domino == DominoSettings(gru_hidden_dim=8, emb_dim=4)
     assert set(state) == set(module.drafter.state_dict())
@@ -688,6 +690,40 @@ def test_export_writes_sglangs_bf16_folder_and_says_vllm_has_no_runtime(tiny_tar
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match=r"dflash_config.emb_dim \(4\) and the top-level emb_dim \(5\) differ"):
         import_folder(folder)
+
+
+def sglang_served_dtype(flag: str | None, config_dtype: str | None) -> str:
+    """The dtype SGLang 0.5.23 builds a model in (read from model_config.py's `_get_and_verify_dtype`): `--dtype X`
+    gives X; `auto`, the default, gives the config.json's dtype, float16 for float32 or none (Gemma aside)."""
+    if flag not in (None, "auto"):
+        return flag
+    return "float16" if config_dtype in (None, "float32") else config_dtype
+
+
+def folder_config(b: int = 6, v: int = 300) -> DrafterConfig:
+    """A tiny Domino drafter's config (the target's sizes as `sglang_case`'s inputs)."""
+    return DrafterConfig(num_layers=1, block_size=b, mask_token_id=v - 1, target_layer_ids=[0, 2], hidden_size=H,
+                         intermediate_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                         rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=256, vocab_size=v,
+                         num_target_layers=4, variant="domino", domino=DominoSettings(gru_hidden_dim=G, emb_dim=E))
+
+
+def sglang_dtype_flag(command: str) -> str | None:
+    """The `--dtype` of a launch command; None: not given."""
+    args = shlex.split(command)
+    return args[args.index("--dtype") + 1] if "--dtype" in args else None
+
+
+@pytest.mark.parametrize("target_dtype", ["float32", "float16", "bfloat16", None])
+def test_the_printed_sglang_command_starts_domino_on_any_target_dtype(target_dtype):
+    """One `--dtype` serves SGLang's target and drafter, and its Domino runtime (`validate_domino_runtime`) starts only
+    with the target's embedding and head and the projector's weights in bf16: the printed command serves both so,
+    whatever dtype the target's config.json names (under `auto` a float32 or float16 target is served in float16)."""
+    from dflash_lightning.export import serve_commands
+
+    flag = sglang_dtype_flag(serve_commands("folder", folder_config(), "target")["sglang"])
+    assert sglang_served_dtype(flag, target_dtype) == "bfloat16"  # the target's embedding and head
+    assert sglang_served_dtype(flag, FOLDER_DTYPE) == "bfloat16"  # the drafter's projector
 
 
 # ---- SGLang's own Domino code ---------------------------------------------------------------------------------------
@@ -701,16 +737,12 @@ def sglang_case(seed: int = 0) -> tuple[dict, dict]:
     block, from the folder's weights), in fp32 and in bf16 (as SGLang serves), by pool size."""
     from dataclasses import replace
 
-    from dflash_lightning.config import DrafterConfig
-    from dflash_lightning.export import hf_config
+    from dflash_lightning.export import hf_config, serve_commands
     from dflash_lightning.model import DFlashDrafter
     from dflash_lightning.parts.base import DraftInputs
 
     b, v = 6, 300
-    cfg = DrafterConfig(num_layers=1, block_size=b, mask_token_id=v - 1, target_layer_ids=[0, 2], hidden_size=H,
-                        intermediate_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                        rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=256, vocab_size=v,
-                        num_target_layers=4, variant="domino", domino=DominoSettings(gru_hidden_dim=G, emb_dim=E))
+    cfg = folder_config(b, v)
     config = hf_config(cfg, FOLDER_DTYPE)
     torch.manual_seed(seed)
     drafter = DFlashDrafter(cfg)
@@ -733,7 +765,9 @@ def sglang_case(seed: int = 0) -> tuple[dict, dict]:
                                              embed, 0.0, None, hidden[i])) for i in range(5)]
             assert all(d.q is None for d in drafts)  # a point mass: no engine samples Domino drafts
             ours[key][pool] = torch.stack([d.tokens for d in drafts])
-    return {"config": config, "weights": weights, "inputs": inputs, "pools": pools}, ours
+    flag = sglang_dtype_flag(serve_commands("folder", cfg, "target")["sglang"]) or "auto"  # the printed, then auto
+    dtypes = [(given, dtype) for given in (flag, "auto") for dtype in ("float32", "float16", "bfloat16", None)]
+    return {"config": config, "weights": weights, "inputs": inputs, "pools": pools, "dtypes": dtypes}, ours
 
 
 @pytest.mark.skipif(not ENGINE, reason="no SGLang venv: neither $DFLASH_SGLANG_PYTHON nor $DFLASH_ENGINE_PYTHON is set "
@@ -741,7 +775,8 @@ def sglang_case(seed: int = 0) -> tuple[dict, dict]:
 def test_sglang_loads_our_folder_and_drafts_our_tokens(tmp_path):
     """SGLang 0.5.23's own DFlashDraftModel, built on the CPU from our config.json, loads every weight of our folder
     (no missing parameter, no tensor left out), parses Domino's fields as ours, and its domino_greedy_rollout drafts
-    our greedy tokens on the same inputs, with the full vocabulary and with a candidate pool, in fp32 and in bf16."""
+    our greedy tokens on the same inputs, with the full vocabulary and with a candidate pool, in fp32 and in bf16; its
+    dtype rule and validate_domino_runtime accept the printed command's --dtype on a target of any dtype."""
     case, ours = sglang_case()
     torch.save([case], tmp_path / "in.pt")
     done = subprocess.run([ENGINE, str(Path(__file__).with_name("domino_engines.py")), str(tmp_path / "in.pt"),
@@ -757,3 +792,7 @@ def test_sglang_loads_our_folder_and_drafts_our_tokens(tmp_path):
     for key in ("drafts", "drafts_bf16"):
         for pool in case["pools"]:
             assert torch.equal(theirs[key][pool], ours[key][pool]), (key, pool)
+    # the printed command starts on a target of any dtype; `auto` (no --dtype) only on a bf16 one
+    flag = case["dtypes"][0][0]
+    for (given, dtype), refusal in theirs["starts"].items():
+        assert (refusal is None) == (given == flag or dtype == "bfloat16"), (given, dtype, refusal)

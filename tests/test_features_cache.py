@@ -154,7 +154,8 @@ def test_cache_with_final_hidden_states_round_trips_and_feeds_distillation(setup
     with pytest.raises(ConfigError, match="target.fp8: data.feature_cache .* serves stored features"):
         cli_main(["fit", "--config", setup["config"], f"--data.feature_cache={out}", "--target.fp8=true",
                   "--target.dtype=bfloat16", f"--trainer.default_root_dir={tmp_path}"])
-    with pytest.raises(FeatureCacheError, match="has no final_hidden .* --final_hidden true"):
+    with pytest.raises(FeatureCacheError, match=r"has no final_hidden \(the target's final hidden states\), which "
+                                                r"model.objective 'kl' needs: .* --final_hidden true$"):
         cli_main(["fit", "--config", setup["config"], f"--data.feature_cache={setup['root'] / 'bf16'}",
                   "--model.objective=kl", "--trainer.max_steps=1", f"--trainer.default_root_dir={tmp_path}"])
 
@@ -461,19 +462,35 @@ def test_two_ranks_write_the_same_cache(setup, tmp_path):
         s["sha256"] for s in FeatureCache(setup["root"] / "bf16").manifest["splits"]["train"]["shards"]]
 
 
-def check_cache_trains_a_part_offline(setup: dict, tmp_path: Path, args: list[str]):
+def part_weights(module) -> dict[str, torch.Tensor]:
+    """Copies of the parameters of the drafter's parts (not the backbone's), by part and name."""
+    return {f"{type(part).__name__}.{name}": p.detach().clone() for part in module.drafter.parts
+            for name, p in part.named_parameters()}
+
+
+def check_cache_trains_a_part_offline(setup: dict, tmp_path: Path, args: list[str], monkeypatch):
     """`cache` with a part that reads the target's final hidden state (`args` name its variant) stores them by
-    default and a 2-step fit reads them; a cache without them is refused in one line naming the flag. The fit's CLI."""
+    default and a 2-step fit reads them and moves every weight of the variant's parts; a cache without them is
+    refused in one line naming the variant that reads them and the flag that writes them. The fit's CLI."""
     from dflash_lightning.cli import cli_main
     from dflash_lightning.data.feature_cache import FeatureCache, FeatureCacheError
+    from dflash_lightning.module import DFlashModule
 
     out = tmp_path / "cache"
     cli_main(["cache", "--config", setup["config"], "--out", str(out), "--shard_gb", SHARD_GB, *args])
     assert FeatureCache(out).manifest["final_hidden"] is True
+    before, on_fit_start = {}, DFlashModule.on_fit_start
+    monkeypatch.setattr(DFlashModule, "on_fit_start",  # the weights the fit starts from, once the drafter is built
+                        lambda module: (before.update(part_weights(module)), on_fit_start(module)))
     cli = cli_main(["fit", "--config", setup["config"], f"--data.feature_cache={out}", *args,
                     "--trainer.max_steps=2", "--trainer.limit_val_batches=0", f"--trainer.default_root_dir={tmp_path}"])
     assert cli.trainer.global_step == 2
-    with pytest.raises(FeatureCacheError, match="has no final_hidden .* --final_hidden true"):
+    after = part_weights(cli.model)
+    assert before and before.keys() == after.keys()
+    assert not [name for name in after if torch.equal(before[name], after[name])], "weights the fit left as they were"
+    (variant,) = [a.partition("=")[2] for a in args if a.startswith("--model.drafter.variant=")]
+    with pytest.raises(FeatureCacheError, match=r"has no final_hidden \(the target's final hidden states\), which "
+                                                rf"model.drafter.variant '{variant}' needs: .* --final_hidden true$"):
         cli_main(["fit", "--config", setup["config"], f"--data.feature_cache={setup['root'] / 'bf16'}", *args,
                   "--trainer.max_steps=1", f"--trainer.default_root_dir={tmp_path / 'b'}"])
     return cli
@@ -483,10 +500,10 @@ XPRESS_ARGS = ["--model.drafter.variant=xpress", "--model.loss_weights=decay", "
                "--model.drafter.xpress.rank=16", "--model.drafter.xpress.mlp_hidden=64"]
 
 
-def test_a_cache_written_for_xpress_holds_the_final_hidden_state_and_trains_it_offline(setup, tmp_path):
+def test_a_cache_written_for_xpress_holds_the_final_hidden_state_and_trains_it_offline(setup, tmp_path, monkeypatch):
     """XPress's loss distils the target's distribution (docs/method.md 14): `cache` stores the final hidden states for
-    its config by default, a fit reads them, a cache without them is refused naming the flag."""
-    cli = check_cache_trains_a_part_offline(setup, tmp_path, XPRESS_ARGS)
+    its config by default, a fit reads them and trains the refiner, a cache without them is refused naming the flag."""
+    cli = check_cache_trains_a_part_offline(setup, tmp_path, XPRESS_ARGS, monkeypatch)
     assert cli.model.drafter.xpress_head.mix.L.abs().sum() > 0  # the refiner trained (its mixer starts at 0)
 
 

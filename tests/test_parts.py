@@ -119,3 +119,20 @@ def test_help_groups_each_parts_settings_with_their_docstrings(capsys):
     assert "--model.drafter.conv.kernel_size KERNEL_SIZE Taps k of each convolution" in text
     assert "--model.drafter.selector.loss_weight LOSS_WEIGHT Weight alpha of the selector's K-way CE" in text
     assert "--model.drafter.lilicorr.candidate_topk CANDIDATE_TOPK K: candidates per slot" in text
+
+
+@pytest.mark.parametrize(("objective", "weights", "wrong", "fix"), [
+    ("ce", "dpace", "model.loss_weights=dpace", "model.loss_weights=decay"),
+    ("kl", "decay", "model.objective=kl", "model.objective=ce"),
+    ("ce+kl", "dpace", r"model.objective=ce\+kl, model.loss_weights=dpace",
+     "model.objective=ce and model.loss_weights=decay"),
+])
+@pytest.mark.parametrize("part", [p for p in ALL_PARTS if p.name in ("xpress", "domino", "dspark_heads")])
+def test_a_part_with_its_own_loss_names_only_the_settings_that_differ(part, objective, weights, wrong, fix):
+    """XPress, Domino and DSpark train with their own loss (CE over decay weights): a run that sets another names the
+    setting that differs, and only it, first, then what to set it to."""
+    from dflash_lightning.parts.base import RunSettings
+
+    run = RunSettings(objective=objective, loss_weights=weights, gamma=4.0, gamma_set=False, final_hidden=True)
+    with pytest.raises(ConfigError, match=f"^{wrong}: .* loss: set {fix}$"):
+        part.check_run(part.settings_type(), run)

@@ -317,21 +317,24 @@ class Broken(BaseHTTPRequestHandler):
             self.connection.shutdown(socket.SHUT_RDWR)
         elif self.server.mode == "wedged":  # takes the connection and never answers in time
             time.sleep(2.5)
-        else:  # an HTTP 200 whose body is not JSON, said to be JSON or not
+        else:  # an HTTP 200 whose body is not JSON, said to be JSON or not (a web server's page of two lines)
+            body = b"{not json" if self.server.mode == "malformed" else b"<html><body>It works!</body></html>\n<p/>"
             self.send_response(200)
             if self.server.mode == "malformed":
                 self.send_header("content-type", "application/json")
-            self.send_header("content-length", "9")
+            self.send_header("content-length", str(len(body)))
             self.end_headers()
-            self.wfile.write(b"{not json")
+            self.wfile.write(body)
 
 
 @pytest.mark.parametrize(("mode", "message"), [
     ("unreachable", "cannot reach {url} (All connection attempts failed); is the server up?"),
     ("dying", "cannot reach {url} (Server disconnected without sending a response.)"),
     ("wedged", "{url}/models gave no answer within 1 s, 1 tries; is the server still loading, or wedged?"),
-    ("malformed", "{url}/models did not answer a JSON list of models (JSONDecodeError: "),
-    ("text", "{url}/models did not answer a JSON list of models (AttributeError: "),
+    ("malformed", "{url}/models answered '{{not json', not a JSON list of models; is it an OpenAI-compatible API "
+                  "root?"),
+    ("text", "{url}/models answered '<html><body>It works!</body></html>' ..., not a JSON list of models; is it an "
+             "OpenAI-compatible API root?"),
 ])
 def test_a_server_that_fails_at_the_start_stops_the_run_in_one_line_naming_it(tmp_path, mode, message):
     path = write_jsonl(tmp_path / "in.jsonl", [{"messages": [user("ok 0"), assistant("x")]}])

@@ -105,6 +105,23 @@ def test_changes_to_what_is_trained_are_refused_before_any_step(resume_config, s
     assert not (tmp_path / "a" / "ckpt").exists()  # no step ran
 
 
+def test_a_changed_variant_is_named_before_the_settings_it_strands(resume_config, tmp_path):
+    """A DSpark checkpoint resumed as DFlash2 on its own settings (the DSpark heads' left in): refused naming the
+    changed variant first, with --ckpt_path and by the automatic resume; a new run is told only of the setting."""
+    from dflash_lightning.config import UnusedPartSettings
+
+    dspark = ["--model.drafter.variant=dspark", "--model.loss_weights=decay",
+              "--model.drafter.dspark_heads.markov_rank=8"]
+    _, _, ckpts = fit(resume_config, tmp_path / "a", *dspark, "--trainer.max_steps=1")
+    stranded = "model.drafter.dspark_heads.markov_rank=8: variant 'dflash2' has no dspark_heads part"
+    for resumed in ([f"--ckpt_path={ckpts[1]}"], []):
+        with pytest.raises(ResumeError, match=rf"^cannot resume from {ckpts[1]}: model.drafter.variant 'dspark' -> "
+                                              rf"'dflash2' changes what is trained; .* Then also: {stranded}"):
+            fit(resume_config, tmp_path / "a", *dspark, "--model.drafter.variant=dflash2", *resumed)
+    with pytest.raises(UnusedPartSettings, match=f"^{stranded}"):
+        fit(resume_config, tmp_path / "b", *dspark, "--model.drafter.variant=dflash2")
+
+
 def test_a_fine_tuned_target_is_refused_in_one_line_unless_accepted(resume_config, step3, tmp_path, caplog):
     """Same config and shapes, one weight moved: refused by fit and validate naming the checkpoint and the target;
     accepted on purpose with one logged line, and the new checkpoints then record the new target."""

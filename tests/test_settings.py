@@ -312,29 +312,29 @@ def test_an_engine_that_answers_not_as_vllm_is_named_with_what_it_answered(answe
     ends; a completion answered with bytes that are not JSON is retried and named the same way."""
     base, answers = answering
     assert EngineError in FAILED_RUN  # `python -m dflash_lightning` exits 1 on it
-    answers["/v1/models"] = (200, "text/html", b"<html><body>It works!</body></html>")
+    answers["/v1/models"] = (200, "text/html", b"<html><body>It works!</body></html>\n<p>more</p>")
     with pytest.raises(EngineError) as err:
         wait_ready([EngineClient(f"{base}/v1", [1], 16)], None, 30.0)
     assert str(err.value) == (
-        f"engine {base}/v1: GET /v1/models answered HTTP 200, first bytes b'<html><body>It works!</body></html>', not "
+        f"engine {base}/v1: GET /v1/models answered HTTP 200: '<html><body>It works!</body></html>' ..., not "
         "what vLLM's OpenAI server answers; is target.engine_urls the base URL of a vLLM engine (http://host:port/v1)?")
     with pytest.raises(EngineError) as err:  # the URL without /v1: vLLM's own 404
         wait_ready([EngineClient(base, [1], 16)], None, 30.0)
     assert str(err.value) == (
-        f"engine {base}: GET /models answered HTTP 404, first bytes b'{{\"detail\":\"Not Found\"}}', not what vLLM's "
+        f"engine {base}: GET /models answered HTTP 404: '{{\"detail\":\"Not Found\"}}', not what vLLM's "
         "OpenAI server answers; target.engine_urls names each engine's base URL, ending in /v1 (http://host:port/v1)")
     answers["/v1/models"] = (200, "application/json", b'{"object": "list"}')
-    with pytest.raises(EngineError, match=r"GET /v1/models answered HTTP 200, first bytes b'\{\"object\": \"list\"\}'"):
+    with pytest.raises(EngineError, match=r"GET /v1/models answered HTTP 200: '\{\"object\": \"list\"\}'"):
         EngineClient(f"{base}/v1", [1], 16).connect()
     answers["/v1/models"] = (503, "text/plain", b"starting")
     with pytest.raises(EngineError) as err:
         wait_ready([EngineClient(f"{base}/v1", [1], 16)], None, 1.0)
-    assert str(err.value) == (f"engine {base}/v1: not reachable within 1 s (GET /v1/models answered HTTP 503, first "
-                              "bytes b'starting')")
+    assert str(err.value) == f"engine {base}/v1: not reachable within 1 s (GET /v1/models answered HTTP 503: " \
+                             "'starting')"
     answers["/v1/models"] = (200, "application/json", json.dumps({"data": [{"id": "m"}]}).encode())
     answers["/v1/completions"] = (200, "text/plain", b"Internal error")
     client = EngineClient(f"{base}/v1", [1], 16, deadline_s=0.2).connect()
     with pytest.raises(EngineError) as err:
         client.hidden_states([5, 6])
     assert str(err.value).startswith(f"engine {base}/v1: no valid hidden states for a 2-token document after ")
-    assert str(err.value).endswith("(last: POST /v1/completions answered HTTP 200, first bytes b'Internal error')")
+    assert str(err.value).endswith("(last: POST /v1/completions answered HTTP 200: 'Internal error')")

@@ -22,6 +22,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar, RichModelS
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.strategies import DDPStrategy
 
+from dflash_lightning.config import UnusedPartSettings
 from dflash_lightning.console import RunModelSummary, RunProgressBar, quiet_lightning
 from dflash_lightning.data import DFlashDataModule
 from dflash_lightning.decoding.validation import SpeculativeValidation
@@ -38,6 +39,7 @@ from dflash_lightning.long_runs.checkpointing import (
 )
 from dflash_lightning.long_runs.distributed_checkpoint import DistributedSaveDDP
 from dflash_lightning.long_runs.preemption import Preemption
+from dflash_lightning.long_runs.resume import ResumeError
 from dflash_lightning.module import DFlashModule
 from dflash_lightning.pictures.image_logging import ImageLogging
 from dflash_lightning.target_model import TargetFeatures
@@ -95,6 +97,35 @@ class DFlashCLI(TypedSettingsCLI):
             config.trainer.callbacks = kept
 
     # ---------------------------------------------------------------- checkpoints and the automatic resume
+
+    def instantiate_classes(self) -> None:
+        """As LightningCLI's; a part's setting that the variant lacks, in a run resuming a checkpoint of another
+        variant, is refused naming the changed variant first (the setting is the checkpoint variant's, left over)."""
+        try:
+            super().instantiate_classes()
+        except UnusedPartSettings as err:
+            path = self._resumed_checkpoint()
+            saved = (load_checkpoint(path, mmap=True, verify=False).get("drafter_config") or {}).get("variant") \
+                if path is not None else None
+            if saved is not None and saved != err.variant:
+                raise ResumeError(f"cannot resume from {path}: model.drafter.variant {saved!r} -> {err.variant!r} "
+                                  f"changes what is trained; type the checkpoint's variant, or start a new run "
+                                  f"(--preemption.resume=never, or another folder). Then also: {err}") from None
+            raise
+
+    def _resumed_checkpoint(self) -> Path | None:
+        """The checkpoint this command would resume: `--ckpt_path`, else (fit, unless --preemption.resume=never) the
+        newest complete one of the config's checkpoint folder, as `fit` picks it."""
+        config = self.config[self.subcommand]
+        path = config.get("ckpt_path")
+        if path not in (None, "last"):
+            return Path(path)
+        if self.subcommand != "fit" or (path is None and config.preemption.resume == "never"):
+            return None
+        folders = [(c.get("init_args") or {}).get("dirpath") for c in config.trainer.get("callbacks") or []
+                   if str(c.get("class_path", "")).endswith("ModelCheckpoint")]
+        root = config.trainer.get("default_root_dir") or "."
+        return newest_complete_checkpoint(folders[0] or Path(root, "checkpoints")) if folders else None
 
     def parse_arguments(self, parser: Any, args: Any) -> None:
         super().parse_arguments(parser, args)

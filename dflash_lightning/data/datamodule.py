@@ -287,7 +287,8 @@ class DFlashDataModule(LightningDataModule):
             check_wiring(module, self)
             self.check_mask_absent(module.drafter_config.mask_token_id, splits)
         if self.hparams.feature_cache is not None:
-            self._open_feature_cache([s for s in splits if s not in self._features])
+            reader = module.final_hidden_reason() if hasattr(module, "final_hidden_reason") else "data.final_hidden"
+            self._open_feature_cache([s for s in splits if s not in self._features], reader)
 
     def check_mask_absent(self, mask_token_id: int, splits: list[str]) -> None:
         """Refuse data holding the drafter's MASK token: a block's MASK slots would look like that data token."""
@@ -309,8 +310,9 @@ class DFlashDataModule(LightningDataModule):
             self.val_samples = self._load_split("val", self.val_paths)
         return self.val_samples
 
-    def _open_feature_cache(self, splits: list[str]) -> None:
-        """Checks the cache against this data (and the target's layers, if given) and opens its splits."""
+    def _open_feature_cache(self, splits: list[str], reader: str = "data.final_hidden") -> None:
+        """Checks the cache against this data (and the target's layers, if given) and opens its splits; `reader`: the
+        setting that reads the final hidden states, named where the cache lacks them."""
         if not splits:
             return
         cache = FeatureCache(self.hparams.feature_cache)
@@ -323,7 +325,7 @@ class DFlashDataModule(LightningDataModule):
             expected |= target_header(self.target, self.target_layer_ids, hidden)
         cache.check(expected, self.accept_target_change)
         for split in splits:
-            self._features[split] = cache.split(split, self.final_hidden)
+            self._features[split] = cache.split(split, self.final_hidden, reader)
         _rank_zero(logging.INFO, f"context features of {', '.join(splits)} from {cache.folder} "
                    f"({cache.feature_format}, {cache.manifest['feature_dim']} per token)")
 

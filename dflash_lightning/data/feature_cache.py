@@ -192,7 +192,7 @@ class Shard:
             header = json.loads(self._map[8 : 8 + n])
             header.pop("__metadata__", None)
             with warnings.catch_warnings():  # read-only map: the views are only ever read
-                warnings.simplefilter("ignore", UserWarning)
+                warnings.filterwarnings("ignore", message="The given buffer is not writable")
                 data = torch.frombuffer(self._map, dtype=torch.uint8)
             self.tensors: dict[str, Tensor] = {}
             for name, info in header.items():
@@ -319,14 +319,13 @@ class FeatureCache:
                 raise FeatureCacheError(f"feature cache {self.folder} has no '{split}' split "
                                         f"(it has {sorted(self.manifest['splits'])})")
 
-    def split(self, name: str, final_hidden: bool = False) -> SplitFeatures:
-        """The reader of one split (with the final hidden states if asked); every shard's size and header are
-        checked now."""
+    def split(self, name: str, final_hidden: bool = False, reader: str = "data.final_hidden") -> SplitFeatures:
+        """The reader of one split (with the final hidden states if asked, for `reader`: the setting that reads them,
+        named where the cache lacks them); every shard's size and header are checked now."""
         if final_hidden and not self.manifest.get("final_hidden"):
             raise FeatureCacheError(
-                f"feature cache {self.folder} has no final_hidden (the target's final hidden states), which "
-                "model.objective needs for distillation: make a cache with python -m dflash_lightning cache "
-                "--final_hidden true"
+                f"feature cache {self.folder} has no final_hidden (the target's final hidden states), which {reader} "
+                "needs: make a cache with python -m dflash_lightning cache --final_hidden true"
             )
         shards = self.manifest["splits"][name]["shards"]
         hidden = self.manifest["target"]["hidden_size"] if final_hidden else None

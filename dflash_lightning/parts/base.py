@@ -297,6 +297,16 @@ class RunSettings:
     """The run's optimizer steps: None while the module is built (no Trainer yet); when fitting starts, the
     Trainer's total (`math.inf` where the run has no end)."""
 
+    def require_own_loss(self, part: str) -> None:
+        """Refuse, for a part whose loss is its own (`part`: 'XPress (model.drafter.xpress) trains with section 14's
+        loss'), a distillation objective or D-PACE weights, naming only the settings that are not ce and decay."""
+        wrong = [(name, value, want) for name, value, want in (("objective", self.objective, "ce"),
+                                                                ("loss_weights", self.loss_weights, "decay"))
+                 if value != want]
+        if wrong:
+            raise ConfigError(f"{', '.join(f'model.{n}={v}' for n, v, _ in wrong)}: {part}: set "
+                              f"{' and '.join(f'model.{n}={w}' for n, _, w in wrong)}")
+
 
 class Part(nn.Module):
     """A part of a drafter (see the module docstring): its parameters, training term, metrics, drafting rule and

@@ -323,10 +323,15 @@ def read_folder_fields(dflash: dict[str, Any], top: dict[str, Any], source: str)
 
 
 def sglang_flags(settings: DominoSettings) -> list[str]:
-    """What SGLang's launch command adds for a Domino folder beside `--speculative-algorithm DFLASH`: the candidate
-    pool drafting was evaluated with, when it is not SGLang's default."""
+    """What SGLang's launch command adds for a Domino folder beside `--speculative-algorithm DFLASH`: `--dtype
+    bfloat16`, and the candidate pool drafting was evaluated with, when it is not SGLang's default.
+
+    One `--dtype` serves target and drafter; its default `auto` takes the target config's dtype (float16 for a float32
+    one), and SGLang's Domino runtime refuses to start unless the target's embedding and head are bf16 (docs/domino.md).
+    """
     pool = settings.candidate_pool_size
-    return [] if pool == SGLANG_POOL else [f"--speculative-domino-candidate-pool-size {pool}"]
+    pool_flag = [] if pool == SGLANG_POOL else [f"--speculative-domino-candidate-pool-size {pool}"]
+    return [f"--dtype {FOLDER_DTYPE}", *pool_flag]
 
 
 VLLM_NOTE = ("vLLM has no Domino runtime: vLLM 0.34 builds a DFlashDraftModel folder as plain DFlash and refuses "
@@ -438,10 +443,7 @@ class DominoCorrection(Part):
     def check_run(cls, settings: DominoSettings, run: RunSettings) -> None:
         """Section 13's loss is the CE of the data tokens over exp(-k / gamma) slot weights, and its curriculum falls
         over the run's real total of optimizer steps (refused where the run has none, never silently off)."""
-        if run.objective != "ce" or run.loss_weights != "decay":
-            raise ConfigError(f"model.objective={run.objective}, model.loss_weights={run.loss_weights}: Domino "
-                              f"(model.drafter.domino) trains with section 13's loss: set model.objective=ce and "
-                              f"model.loss_weights=decay")
+        run.require_own_loss("Domino (model.drafter.domino) trains with section 13's loss")
         total = run.total_steps
         if settings.needs_total_steps and total is not None and not 1 <= total < math.inf:
             raise ConfigError(f"model.drafter.domino.lambda_base_start={settings.lambda_base_start}: the base-to-final "

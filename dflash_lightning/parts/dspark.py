@@ -155,10 +155,7 @@ class DSparkHeads(Part):
     def check_run(cls, settings: DSparkSettings, run: RunSettings) -> None:
         """Section 12's loss is its own: the heads' L1 to the target's distribution (no distillation objective
         beside it) over exp(-k / gamma) slot weights (no D-PACE)."""
-        if run.objective != "ce" or run.loss_weights != "decay":
-            raise ConfigError(f"model.objective={run.objective}, model.loss_weights={run.loss_weights}: DSpark's heads "
-                              f"(model.drafter.dspark_heads) train with section 12's loss: set model.objective=ce and "
-                              f"model.loss_weights=decay")
+        run.require_own_loss("DSpark's heads (model.drafter.dspark_heads) train with section 12's loss")
 
     def reset_parameters(self, std: float = 0.02) -> None:
         """DeepSpec's init: normal(0, 0.02) weights, a zero bias."""

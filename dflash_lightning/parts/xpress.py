@@ -625,10 +625,7 @@ class XPress(Part):
     def check_run(cls, settings: XPressSettings, run: RunSettings) -> None:
         """Section 14's loss is its own (CE and TV to the target's distribution, exp(-(k-1)/gamma) slot weights): no
         distillation objective beside it, no D-PACE weights."""
-        if run.objective != "ce" or run.loss_weights != "decay":
-            raise ConfigError(f"model.objective={run.objective}, model.loss_weights={run.loss_weights}: XPress "
-                              f"(model.drafter.xpress) trains with section 14's loss: set model.objective=ce and "
-                              f"model.loss_weights=decay")
+        run.require_own_loss("XPress (model.drafter.xpress) trains with section 14's loss")
 
     # --- training: inside the chunked head loop, with hand-made gradients (loss.py, docs/parts.md)
     def head_params(self) -> tuple[Tensor, ...]:

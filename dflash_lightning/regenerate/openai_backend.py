@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from dflash_lightning.data.conversations import Message
+from dflash_lightning.errors import first_line
 from dflash_lightning.regenerate.output import Conversation, OrderedWriter
 
 # Records finished ahead of the oldest unfinished one wait in memory until it is written: at most this many per
@@ -80,7 +81,7 @@ class Server:
         import openai
 
         try:
-            page = await self.client.models.list()
+            raw = await self.client.models.with_raw_response.list()
         except openai.APITimeoutError as err:  # a wedged server: it takes the connection and never answers
             raise ServerError(f"{self.url}/models gave no answer within {self.timeout:g} s, {self.max_retries + 1} "
                               "tries; is the server still loading, or wedged?") from err
@@ -88,9 +89,11 @@ class Server:
             raise ServerError(f"cannot reach {self.url} ({err.__cause__ or err}); is the server up?") from err
         except openai.APIStatusError as err:
             raise ServerError(f"{self.url}/models answered HTTP {err.status_code}: {said(err)}") from err
+        try:
+            page = raw.parse()
         except (openai.APIError, ValueError, AttributeError) as err:  # not JSON; not even said to be (AttributeError)
-            raise ServerError(f"{self.url}/models did not answer a JSON list of models ({type(err).__name__}: "
-                              f"{err}); is it an OpenAI-compatible API root?") from err
+            raise ServerError(f"{self.url}/models answered {first_line(raw.text)}, not a JSON list of models; is it "
+                              "an OpenAI-compatible API root?") from err
         data = getattr(page, "data", None)
         if not isinstance(data, list) or not all(isinstance(getattr(m, "id", None), str) for m in data):
             raise ServerError(f"{self.url}/models did not answer a list of models: {page!r:.200}")

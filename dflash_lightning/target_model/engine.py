@@ -32,6 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from dflash_lightning.config import ConfigError
+from dflash_lightning.errors import first_line
 from dflash_lightning.target_model.features import packed_documents
 from dflash_lightning.target_model.loading import resolve_model_dir, weight_map
 
@@ -94,7 +95,7 @@ class _Answer(Exception):
 
     def __init__(self, request: str, status: int, body: bytes) -> None:
         self.request, self.status, self.body = request, status, body
-        super().__init__(f"{request} answered HTTP {status}, first bytes {body[:120]!r}")
+        super().__init__(f"{request} answered HTTP {status}: {first_line(body)}")
 
 
 def _request(url: str, body: dict[str, Any] | None) -> str:
