@@ -5,6 +5,7 @@ token ids with a loss mask on exactly the assistant turns, rendered by the targe
 from __future__ import annotations
 
 import glob
+import gzip
 import json
 import logging
 import os
@@ -13,7 +14,7 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, BinaryIO, Literal
 
 import torch
 from torch import Tensor
@@ -28,6 +29,7 @@ BadRecordPolicy = Literal["error", "skip"]
 Message = dict[str, str]
 
 JSONL_SUFFIXES = (".jsonl", ".json")
+GZIP_SUFFIX = ".gz"  # x.jsonl.gz: gzip JSONL, read as it streams (the committed prompt files)
 PARQUET_SUFFIXES = (".parquet",)
 ROLES = ("system", "user", "assistant")
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
@@ -63,9 +65,10 @@ def resolve_files(paths: Sequence[str], argument: str) -> list[Path]:
     for path in found:
         if path.is_dir():
             _arrow_files(path)  # raises unless it is a `save_to_disk` dataset folder
-        elif path.suffix not in JSONL_SUFFIXES + PARQUET_SUFFIXES:
+        elif path.suffix not in JSONL_SUFFIXES + PARQUET_SUFFIXES and not _is_gzip_jsonl(path):
             raise DataError(
-                str(path), f"{argument}: unsupported file type", "expected .jsonl/.json, .parquet or a dataset folder"
+                str(path), f"{argument}: unsupported file type",
+                "expected .jsonl/.json (or .jsonl.gz), .parquet or a dataset folder",
             )
     return found
 
@@ -129,12 +132,20 @@ def count_records(path: Path) -> int:
         return pq.ParquetFile(path).metadata.num_rows
     if path.is_dir():
         return sum(b.num_rows for shard in _arrow_files(path) for b in _arrow_batches(shard))
-    with path.open("rb") as f:
+    with _open_jsonl(path) as f:
         return sum(1 for line in f if line.strip())
 
 
+def _is_gzip_jsonl(path: Path) -> bool:
+    return path.suffix == GZIP_SUFFIX and Path(path.stem).suffix in JSONL_SUFFIXES
+
+
+def _open_jsonl(path: Path) -> BinaryIO:
+    return gzip.open(path, "rb") if _is_gzip_jsonl(path) else path.open("rb")
+
+
 def _iter_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
-    with path.open("rb") as f:  # bytes, so that invalid UTF-8 is reported per line rather than per file
+    with _open_jsonl(path) as f:  # bytes, so that invalid UTF-8 is reported per line rather than per file
         for number, raw in enumerate(f, start=1):
             location = f"{path}:{number}"
             if not raw.strip():
