@@ -118,12 +118,15 @@ def split(prompts: list[Prompt], most: int) -> tuple[list[Prompt], list[Prompt]]
     return ([p for i, p in enumerate(prompts) if i not in held], [p for i, p in enumerate(prompts) if i in held])
 
 
-def build(out: Path, options: Options) -> dict[str, Any]:
-    """Build every source of `options.counts` into `out`; returns the manifest (also written there)."""
+def build(out: Path, options: Options, command: str = "build() called from Python") -> dict[str, Any]:
+    """Build every source of `options.counts` into `out`; returns the manifest (also written there, with `command`)."""
     began = time.monotonic()
     problems = humaneval.problems()
     index = humaneval.OverlapIndex.of(problems)
     rng = random.Random(options.seed)
+    modules, missing = library_api.importable(options.modules or library_api.stdlib_modules() + list(
+        library_api.PACKAGES))
+    sources: dict[str, Source] = {}  # follow_ups continues the training prompts of those before it
     makers: dict[str, tuple[Callable[[], Iterable[Prompt]], bool]] = {
         "python_docs": (lambda: python_docs.prompts(rng), False),
         "library_api": (lambda: library_api.prompts(rng, modules, options.items_per_module), False),
@@ -136,10 +139,7 @@ def build(out: Path, options: Options) -> dict[str, Any]:
     unknown = set(options.counts) - set(makers)
     if unknown:
         raise ValueError(f"counts: no source named {sorted(unknown)}; the sources are {list(makers)}")
-    modules, missing = library_api.importable(options.modules or library_api.stdlib_modules() + list(
-        library_api.PACKAGES))
     seen = {dedup_key(p.messages) for p in humaneval.prompt_records()}
-    sources: dict[str, Source] = {}
     for name, (make, endless) in makers.items():
         if name not in options.counts:
             continue
@@ -155,8 +155,7 @@ def build(out: Path, options: Options) -> dict[str, Any]:
     write_jsonl(out / HELD_OUT, (p.record() for s in sources.values() for p in s.held_out))
     write_jsonl(out / HUMANEVAL, (p.record() for p in humaneval.prompt_records()))
     manifest = {
-        "command": "python -m dflash_lightning.regenerate.prompts " + shlex.join(sys.argv[1:]) if sys.argv[1:] else
-                   "build (called from Python)",
+        "command": command,
         "seed": options.seed,
         "python": platform.python_version(),
         "sources": {name: {"train": len(s.train), "held_out": len(s.held_out), "asked": options.counts[name],
@@ -233,7 +232,8 @@ def main(argv: list[str] | None = None) -> None:
                                             topics=args.topics, threads=args.threads, device=args.device), indent=1))
         return
     build(args.out, Options(counts=args.counts or dict(COUNTS), held_out=args.held_out, seed=args.seed,
-                            self_written=args.self_written))
+                            self_written=args.self_written),
+          command=f"{parser.prog} {shlex.join(sys.argv[1:] if argv is None else argv)}")
 
 
 def self_written_target() -> str:
