@@ -105,8 +105,7 @@ case $part in
     exit $rc ;;
   eval)
     heldout=$(prompt_file heldout) || exit 1
-    python3 -m dflash_lightning.data.humaneval --out "$WORK/humaneval.jsonl" > "$WORK/humaneval.log" 2>&1 \
-      || { log "eval: no HumanEval prompts (see $WORK/humaneval.log)"; }
+    humaneval=$(prompt_file humaneval) || exit 1
     common=(--device "$DEVICE" --dtype "$DTYPE" --target "$TARGET" --temperature "${TEMPERATURES:-0,1}"
             --max_new_tokens "${EVAL_TOKENS:-256}" --batch_size "${EVAL_BATCH:-32}" --baseline greedy)
     first=
@@ -116,9 +115,8 @@ case $part in
       first=${first:-$ckpt}
       python3 -m dflash_lightning evaluate --drafter "$ckpt" --prompts "$heldout" --num_prompts "${EVAL_PROMPTS:-128}" \
         "${common[@]}" --out "$dir/eval-heldout" > "$dir/eval-heldout.log" 2>&1; log "eval $name heldout: exit $?"
-      [ -f "$WORK/humaneval.jsonl" ] && { python3 -m dflash_lightning evaluate --drafter "$ckpt" \
-        --prompts "$WORK/humaneval.jsonl" "${common[@]}" --out "$dir/eval-humaneval" > "$dir/eval-humaneval.log" 2>&1
-        log "eval $name humaneval: exit $?"; }
+      python3 -m dflash_lightning evaluate --drafter "$ckpt" --prompts "$humaneval" "${common[@]}" \
+        --out "$dir/eval-humaneval" > "$dir/eval-humaneval.log" 2>&1; log "eval $name humaneval: exit $?"
     done
     [ -n "$first" ] && { python3 benchmarks/decode_speed.py --target "$TARGET" --drafter "$first" --prompts "$heldout" \
       --num-prompts "${SPEED_PROMPTS:-16}" --max-new-tokens "${SPEED_TOKENS:-256}" --device "$DEVICE" --dtype "$DTYPE" \

@@ -151,3 +151,11 @@ def test_regenerate_and_fit_read_the_gzip_training_file():
     assert resolve_files([str(path)], "input_files") == [path]
     location, record = next(iter_records(path))
     assert location == f"{path}:1" and record["messages"][-1]["role"] == "user"
+
+
+def test_the_held_out_prompts_take_the_sources_in_turn():
+    """The first N held-out prompts (evaluate --num_prompts, spec_eval) span every source, not the first one alone."""
+    categories = [json.loads(line)["category"] for line in (COMMITTED / build.HELD_OUT).read_text().splitlines()]
+    sources = list(dict.fromkeys(categories))
+    assert len(sources) == 7 and categories[:7] == sources and categories[7:14] == sources
+    assert build.interleave([[1, 2, 3], [4], [5, 6]]) == [1, 4, 5, 2, 6, 3]

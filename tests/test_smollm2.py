@@ -82,3 +82,31 @@ def test_a_few_steps_export_and_evaluate_on_the_real_target(target, tmp_path):
               "--max_new_tokens", "12", "--device", "cpu", "--dtype", "float32", "--out", str(tmp_path / "eval")])
     report = json.loads((tmp_path / "eval" / "report.json").read_text())
     assert report["num_prompts"] == 2 and report["mismatches"] == 0
+
+
+def test_the_gpu_config_runs_a_few_steps_on_the_cpu_at_reduced_shapes(target, tmp_path):
+    """configs/smollm2-135m-gpu.yaml as shipped (its plugins, checkpointing, time limit, held-out served tau), but on
+    the CPU in fp32, uncompiled, 2 steps of 256 tokens on the shipped answers: the recipe's wiring holds."""
+    config = yaml.safe_load((ROOT / "configs/smollm2-135m-gpu.yaml").read_text())
+    assert config["trainer"]["precision"] == "bf16-mixed" and config["model"]["compile"] and config["target"]["compile"]
+    assert (ROOT / config["spec_eval"]["prompts"]).exists()  # the held-out prompts ship in the package
+    trainer = config["trainer"]
+    trainer.update(accelerator="cpu", precision="32-true", max_steps=2, val_check_interval=2, limit_val_batches=1,
+                   default_root_dir=str(tmp_path))
+    for logger in trainer["logger"]:
+        logger["init_args"]["save_dir"] = str(tmp_path)
+    checkpoint = next(c for c in trainer["callbacks"] if c["class_path"].endswith("ModelCheckpoint"))
+    checkpoint["init_args"].update(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=2)
+    config["target"].update(path=str(target), dtype="float32", compile=False)
+    config["model"].update(num_anchors=8, compile=False)
+    shipped = ROOT / "dflash_lightning/assets/smollm2/data"
+    config["data"].update(token_budget=256, num_workers=0, train_files=[str(shipped / "train.jsonl")],
+                          val_files=[str(shipped / "val.jsonl")])
+    config["spec_eval"].update(prompts=str(ROOT / config["spec_eval"]["prompts"]), every_n_steps=2, num_prompts=1,
+                               max_new_tokens=4)
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    cli = cli_main(["fit", "--config", str(path)])
+    assert cli.trainer.global_step == 2 and cli.model.drafter_config.num_layers == 3
+    assert "val/tau_served" in cli.trainer.callback_metrics
+    assert (tmp_path / "ckpt" / "last.ckpt").exists()

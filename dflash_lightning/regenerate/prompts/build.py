@@ -152,7 +152,8 @@ def build(out: Path, options: Options, command: str = "build() called from Pytho
               f"HumanEval dropped) in {time.monotonic() - started:.1f} s", flush=True)
     out.mkdir(parents=True, exist_ok=True)
     write_jsonl_gz(out / TRAIN, (p.record() for s in sources.values() for p in s.train))
-    write_jsonl(out / HELD_OUT, (p.record() for s in sources.values() for p in s.held_out))
+    # the sources taken in turn, so the first N held-out prompts (evaluate --num_prompts, spec_eval) span them all
+    write_jsonl(out / HELD_OUT, (p.record() for p in interleave([s.held_out for s in sources.values()])))
     write_jsonl(out / HUMANEVAL, (p.record() for p in humaneval.prompt_records()))
     manifest = {
         "command": command,
@@ -205,6 +206,11 @@ def installed() -> dict[str, str]:
         for dist in owners.get(module.split(".")[0], []):
             found[dist] = importlib.metadata.version(dist)
     return dict(sorted(found.items()))
+
+
+def interleave(groups: list[list[Prompt]]) -> list[Prompt]:
+    """One item of each group in turn, each group in its order, until all are used."""
+    return [g[i] for i in range(max(map(len, groups), default=0)) for g in groups if i < len(g)]
 
 
 def main(argv: list[str] | None = None) -> None:
