@@ -81,14 +81,15 @@ def matmul_peak(n: int = 8192, iters: int = 20) -> float:
     return 2 * n**3 * iters / (time.perf_counter() - t)
 
 
-def write_target(folder: Path) -> Path:
-    """A Qwen3-8B-shaped target folder: config plus random embedding and head (all the module reads)."""
+def write_target(folder: Path, fields: dict = QWEN3_8B) -> Path:
+    """A Qwen3-shaped target folder (`fields`: the config, Qwen3-8B's by default): config plus random embedding and
+    head (all the module reads)."""
     from safetensors.torch import save_file
     from transformers import Qwen3Config
 
-    Qwen3Config(**QWEN3_8B).save_pretrained(folder)
+    Qwen3Config(**fields).save_pretrained(folder)
     g = torch.Generator().manual_seed(0)
-    shape = (QWEN3_8B["vocab_size"], QWEN3_8B["hidden_size"])
+    shape = (fields["vocab_size"], fields["hidden_size"])
     save_file(
         {"model.embed_tokens.weight": (torch.randn(shape, generator=g) * 0.02).bfloat16(),
          "lm_head.weight": (torch.randn(shape, generator=g) * 0.02).bfloat16()},
