@@ -217,23 +217,40 @@ def run_specforge(variant: str, shape: Shape, target: Path, work: Path, clock: S
 
     cpu = clock.device.type == "cpu"
     total = clock.warmup + clock.steps
-    cfg = Config.model_validate({
-        "model": {"target_model_path": str(target), "draft_num_hidden_layers": shape.draft_layers,
-                  "draft_block_size": shape.block_size, "mask_token_id": shape.mask_token_id,
-                  "aux_hidden_state_layer_ids": list(shape.target_layer_ids)},
-        "data": {"hidden_states_path": str(work / "hidden"), "max_length": shape.token_budget},
-        "training": {"strategy": variant, "max_steps": total, "num_anchors": shape.anchors,
-                     "loss_decay_gamma": GAMMA, "learning_rate": 6e-4,
-                     "attention_backend": "sdpa" if cpu else "flex_attention"},
-        "output_dir": str(work / "out"),
-    })
+    registry = builtin_algorithm_registry()
+
+    def config(strategy: str, draft_config: Path | None = None) -> Config:
+        model = {"target_model_path": str(target), "draft_num_hidden_layers": shape.draft_layers,
+                 "draft_block_size": shape.block_size, "mask_token_id": shape.mask_token_id,
+                 "aux_hidden_state_layer_ids": list(shape.target_layer_ids)}
+        return Config.model_validate({
+            "model": {**model, **({"draft_model_config": str(draft_config)} if draft_config else {})},
+            "data": {"hidden_states_path": str(work / "hidden"), "max_length": shape.token_budget},
+            "training": {"strategy": strategy, "max_steps": total, "num_anchors": shape.anchors,
+                         "loss_decay_gamma": GAMMA, "learning_rate": 6e-4,
+                         "lambda_base_decay_ratio": 1.0,  # Domino's base-loss weight to 0 over the run, as ours
+                         "attention_backend": "sdpa" if cpu else "flex_attention"},
+            "output_dir": str(work / "out"),
+        })
+
+    draft_config = None
+    if variant in SPECFORGE_HEADS:  # it generates no draft config for these: its DFlash one, plus the heads
+        from specforge.training.model_loading import resolve_draft_config
+
+        base = resolve_draft_config(config("dflash"), provider=registry.resolve("dflash").providers.model.draft_config)
+        fields = base.to_dict()
+        fields["architectures"] = [registry.resolve(variant).providers.model.draft_config.architecture]
+        fields["dflash_config"] = {**fields.get("dflash_config", {}), **SPECFORGE_HEADS[variant]}
+        draft_config = work / f"{variant}-draft-config.json"
+        draft_config.write_text(json.dumps(fields, default=str))
+    cfg = config(variant, draft_config)
     if not dist.is_initialized():  # its trainer runs under torchrun; one rank here
         os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                            "MASTER_PORT": os.environ.get("MASTER_PORT", "29517")})
         from specforge.distributed import init_distributed
 
         init_distributed(timeout=cfg.training.dist_timeout)
-    algorithm = builtin_algorithm_registry().resolve(variant)
+    algorithm = registry.resolve(variant)
     bundle = build_model_bundle(cfg, algorithm=algorithm)
     model = bundle.model.to(clock.device)
     optimizer_factory = _optimizer_factory(cfg)
@@ -257,12 +274,20 @@ def run_specforge(variant: str, shape: Shape, target: Path, work: Path, clock: S
     return {"trainable_params": sum(p.numel() for p in model.draft_model.parameters() if p.requires_grad),
             "settings": cfg.training.model_dump(include={
                 "learning_rate", "lr_scheduler", "max_grad_norm", "fsdp_sharding", "attention_backend",
-                "num_anchors", "loss_decay_gamma", "loss_type", "objective_chunk_blocks"}),
+                "num_anchors", "loss_decay_gamma", "loss_type", "objective_chunk_blocks", "lambda_base_decay_ratio"}),
+            **({"draft_heads": SPECFORGE_HEADS[variant]} if variant in SPECFORGE_HEADS else {}),
             "wrapped": backend._wrapper_kind, "optimizers": [type(backend.optimizer).__name__],
             "precision": "bf16 parameters (FSDP mixed precision) with its BF16Optimizer's fp32 master weights"
                          + ("; unwrapped on the CPU" if cpu else "")}
 
 
+SPECFORGE_HEADS = {  # the draft-config fields of a SpecForge variant over its DFlash config: ours' DSpark heads (a
+    # rank-256 vanilla Markov head, a confidence head reading it; parts/dspark.py's defaults)
+    "dspark": {"projector_type": "dspark", "markov_rank": 256, "markov_head_type": "vanilla",
+               "enable_confidence_head": True, "confidence_head_alpha": 1.0, "confidence_head_with_markov": True},
+    # ours' Domino (parts/domino.py): a 1024-wide GRU over the prefix, a 256-wide embedding projection, prefix 1
+    "domino": {"projector_type": "domino", "gru_hidden_dim": 1024, "emb_dim": 256, "pure_draft_prefix_len": 1},
+}
 RUNNERS: dict[str, Callable[..., dict]] = {"speculators": run_speculators, "specforge": run_specforge}
 OURS_RUN = "compiled[default][bf16-mixed]"  # step_bench's run name of the compiled bf16-mixed step
 
