@@ -61,6 +61,7 @@ PEER_PACKAGES = {"speculators": "speculators", "specforge": "specforge", "modelo
 RUNS = {  # (peer, variant) pairs whose trainer this script runs
     ("speculators", "dflash"), ("speculators", "dflash2"), ("speculators", "dspark"), ("speculators", "xpress"),
     ("specforge", "dflash"), ("specforge", "dspark"), ("specforge", "domino"),
+    ("modelopt", "dflash"), ("modelopt", "dspark"), ("modelopt", "domino"),
 }
 CANNOT = {  # (peer, variant) pairs a user might expect, and why they are not run; also in docs/peers.md
     ("speculators", "domino"): "speculators 0.9.0 has no Domino (its registry: dflash, dflash2, dspark, eagle3, mtp, "
@@ -69,10 +70,9 @@ CANNOT = {  # (peer, variant) pairs a user might expect, and why they are not ru
     ("specforge", "dflash2"): "SpecForge 0.2.0 has no DFlash2 (its registry: eagle3, peagle, dflash, domino, dspark)",
     ("specforge", "xpress"): "SpecForge 0.2.0 has no XPress",
     ("specforge", "lilicorr-conv"): "SpecForge 0.2.0 has no LiLiCorr",
-    ("modelopt", "dspark"): "not wired in this script yet: ModelOpt 0.47.0 trains DSpark through transformers.Trainer "
-                            "(examples/speculative_decoding/main.py) over its HFDSparkModel; see docs/peers.md",
-    ("modelopt", "domino"): "not wired in this script yet: ModelOpt 0.47.0 trains Domino through transformers.Trainer "
-                            "over its HFDominoModel; see docs/peers.md",
+    ("modelopt", "dflash2"): "ModelOpt 0.47.0 has no DFlash2 (its DFlash family: projector types dflash, domino, "
+                             "dspark)",
+    ("modelopt", "xpress"): "ModelOpt 0.47.0 has no XPress",
     ("modelopt", "lilicorr-conv"): "not in the ModelOpt 0.47.0 wheel (only on its main branch; no wheel of it on "
                                    "PyPI to carry)",
 }
@@ -288,7 +288,78 @@ SPECFORGE_HEADS = {  # the draft-config fields of a SpecForge variant over its D
     # ours' Domino (parts/domino.py): a 1024-wide GRU over the prefix, a 256-wide embedding projection, prefix 1
     "domino": {"projector_type": "domino", "gru_hidden_dim": 1024, "emb_dim": 256, "pure_draft_prefix_len": 1},
 }
-RUNNERS: dict[str, Callable[..., dict]] = {"speculators": run_speculators, "specforge": run_specforge}
+MODELOPT_HEADS = {  # dflash_architecture_config fields of a ModelOpt variant over DFlash: the same heads as above
+    "dspark": {"projector_type": "dspark", "markov_rank": 256, "markov_head_type": "vanilla",
+               "use_confidence_head": True, "confidence_head_with_markov": True},
+    "domino": {"projector_type": "domino", "gru_hidden_dim": 1024, "emb_dim": 256, "pure_draft_prefix_len": 1},
+}
+
+
+def run_modelopt(variant: str, shape: Shape, target: Path, work: Path, clock: StepClock, rows: int) -> dict:
+    """ModelOpt 0.47: its offline DFlash-family model (`load_vlm_or_llm` with a fake base: embedding and head only,
+    `mtsp.convert(model, [("dflash", config)])`, the variant by projector type) trained by `transformers.Trainer`
+    (bf16 autocast over fp32 weights, its default fused AdamW, clip 1.0); its examples' Trainer subclass
+    (EagleTrainerWithAccLog, accuracy logging) is not in the wheel. `dflash_use_torch_compile` (its default, on)."""
+    import modelopt.torch.speculative as mtsp
+    from modelopt.torch.speculative.plugins.hf_domino import DominoLambdaCallback
+    from modelopt.torch.speculative.utils import load_vlm_or_llm
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    cpu = clock.device.type == "cpu"
+    total = clock.warmup + clock.steps
+    model = load_vlm_or_llm(str(target), use_fake_base=True, use_offline_training=True, dtype="auto",
+                            device_map="cpu")
+    settings = {
+        "dflash_offline": True, "dflash_block_size": shape.block_size, "dflash_num_anchors": shape.anchors,
+        "dflash_loss_objective": "decay", "dflash_loss_decay_factor": GAMMA,
+        "dflash_mask_token_id": shape.mask_token_id, "dflash_use_torch_compile": not cpu,
+        "dflash_lambda_base_decay_ratio": 1.0,
+        **({"dflash_confidence_head_alpha": 1.0} if variant == "dspark" else {}),
+        # the layer widths given: it builds the draft's config as transformers' Qwen3Config, whose defaults (an
+        # intermediate size of 22016, 32 KV heads) win over its inheriting the target's
+        "dflash_architecture_config": {"num_hidden_layers": shape.draft_layers,
+                                       "target_layer_ids": list(shape.target_layer_ids),
+                                       **{k: shape.target[k] for k in ("intermediate_size", "num_attention_heads",
+                                                                       "num_key_value_heads", "head_dim")},
+                                       **MODELOPT_HEADS.get(variant, {})},
+    }
+    mtsp.convert(model, [("dflash", settings)])
+    hidden = shape.target["hidden_size"]
+    data = [{"input_ids": r["input_ids"][0], "loss_mask": r["loss_mask"][0].float(),
+             "attention_mask": (r["document_ids"][0] >= 0).long(),
+             "base_model_outputs": {"aux_hidden_states": r["hidden_states"][0],
+                                    "base_model_hidden_states": r["final_hidden"][0]}}
+            for r in packed_rows(shape, rows, len(shape.target_layer_ids) * hidden, hidden, torch.bfloat16)]
+
+    def collate(items: list[dict]) -> dict:
+        (item,) = items
+        return {"input_ids": item["input_ids"][None], "attention_mask": item["attention_mask"][None],
+                "loss_mask": item["loss_mask"][None],
+                "base_model_outputs": {k: v[None] for k, v in item["base_model_outputs"].items()}}
+
+    class Clock(TrainerCallback):
+        def on_train_begin(self, *a, **k):
+            clock.start()
+
+        def on_step_end(self, *a, **k):
+            clock()
+
+    arguments = TrainingArguments(
+        output_dir=str(work / "out"), max_steps=total, per_device_train_batch_size=1, learning_rate=6e-4,
+        bf16=True, max_grad_norm=1.0, logging_steps=8, save_strategy="no", report_to=[],
+        remove_unused_columns=False, dataloader_num_workers=0, use_cpu=cpu, disable_tqdm=True)
+    callbacks = [Clock(), *([DominoLambdaCallback()] if variant == "domino" else [])]
+    trainer = Trainer(model=model, args=arguments, train_dataset=[data[i % rows] for i in range(total)],
+                      data_collator=collate, callbacks=callbacks)
+    trainer.train()
+    return {"trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
+            "settings": {k: v for k, v in settings.items() if k != "dflash_offline"},
+            "optimizers": [type(trainer.optimizer).__name__, arguments.optim],
+            "precision": "transformers.Trainer bf16=True: autocast bf16 over fp32 weights"}
+
+
+RUNNERS: dict[str, Callable[..., dict]] = {"speculators": run_speculators, "specforge": run_specforge,
+                                           "modelopt": run_modelopt}
 OURS_RUN = "compiled[default][bf16-mixed]"  # step_bench's run name of the compiled bf16-mixed step
 
 
@@ -353,7 +424,7 @@ def main() -> None:
         torch.set_float32_matmul_precision("high")
         clock = StepClock(args.warmup, args.steps, device)
         with tempfile.TemporaryDirectory() as tmp:
-            target = write_target(Path(tmp) / "target", SHAPES[args.shape].target)
+            target = write_target(Path(tmp) / "target", SHAPES[args.shape].target, final_norm=True)
             result.update(RUNNERS[args.peer](args.variant, SHAPES[args.shape], target, Path(tmp), clock, args.rows))
         result.update(clock.result())
         result["context_tokens_per_s"] = SHAPES[args.shape].token_budget / result["step_s"]

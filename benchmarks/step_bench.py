@@ -81,9 +81,9 @@ def matmul_peak(n: int = 8192, iters: int = 20) -> float:
     return 2 * n**3 * iters / (time.perf_counter() - t)
 
 
-def write_target(folder: Path, fields: dict = QWEN3_8B) -> Path:
+def write_target(folder: Path, fields: dict = QWEN3_8B, final_norm: bool = False) -> Path:
     """A Qwen3-shaped target folder (`fields`: the config, Qwen3-8B's by default): config plus random embedding and
-    head (all the module reads)."""
+    head (all the module reads), and the final norm's weight (ones) with `final_norm` (a peer trainer reads it)."""
     from safetensors.torch import save_file
     from transformers import Qwen3Config
 
@@ -92,7 +92,8 @@ def write_target(folder: Path, fields: dict = QWEN3_8B) -> Path:
     shape = (fields["vocab_size"], fields["hidden_size"])
     save_file(
         {"model.embed_tokens.weight": (torch.randn(shape, generator=g) * 0.02).bfloat16(),
-         "lm_head.weight": (torch.randn(shape, generator=g) * 0.02).bfloat16()},
+         "lm_head.weight": (torch.randn(shape, generator=g) * 0.02).bfloat16(),
+         **({"model.norm.weight": torch.ones(shape[1], dtype=torch.bfloat16)} if final_norm else {})},
         folder / "model.safetensors",
     )
     return folder
