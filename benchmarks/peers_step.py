@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.step_bench import MASK_ID, QWEN3_8B, random_batch, write_target
+from benchmarks.step_bench import MASK_ID, QWEN3_8B, random_batch, write_result, write_target
 
 
 @dataclass(frozen=True)
@@ -428,11 +428,7 @@ def main() -> None:
             result.update(RUNNERS[args.peer](args.variant, SHAPES[args.shape], target, Path(tmp), clock, args.rows))
         result.update(clock.result())
         result["context_tokens_per_s"] = SHAPES[args.shape].token_budget / result["step_s"]
-    text = json.dumps(result, indent=2, default=str)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    write_result(result, args.out)
 
 
 if __name__ == "__main__":

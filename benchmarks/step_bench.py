@@ -263,6 +263,15 @@ def _recompiles() -> int:
     return int(sum(counters["recompiles"].values()))
 
 
+def write_result(result: dict, out: Path | None) -> None:
+    """The results printed as indented JSON, and written to `out` when given."""
+    text = json.dumps(result, indent=2, default=str)
+    print(text)
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n")
+
+
 def print_line(row: dict) -> None:
     print(json.dumps(row), flush=True)
 
@@ -759,11 +768,7 @@ def main() -> None:
                         row["pipeline_tokens_per_s"], 8, args.ddp_efficiency, 800e3, 6, args.mean_tokens,
                         args.packing_fill)
             report("projection_8xh200", result.get("projection_8xh200"))
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    write_result(result, args.out)
 
 
 if __name__ == "__main__":
