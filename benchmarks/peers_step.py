@@ -70,8 +70,8 @@ CANNOT = {  # (peer, variant) pairs a user might expect, and why they are not ru
     ("specforge", "dflash2"): "SpecForge 0.2.0 has no DFlash2 (its registry: eagle3, peagle, dflash, domino, dspark)",
     ("specforge", "xpress"): "SpecForge 0.2.0 has no XPress",
     ("specforge", "lilicorr-conv"): "SpecForge 0.2.0 has no LiLiCorr",
-    ("modelopt", "dflash2"): "ModelOpt 0.47.0 has no DFlash2 (its DFlash family: projector types dflash, domino, "
-                             "dspark)",
+    ("modelopt", "dflash2"): "not in the ModelOpt 0.47.0 wheel (its DFlash family: projector types dflash, domino, "
+                             "dspark; plugins/hf_dflash2.py is on its main branch only, no wheel of it on PyPI)",
     ("modelopt", "xpress"): "ModelOpt 0.47.0 has no XPress",
     ("modelopt", "lilicorr-conv"): "not in the ModelOpt 0.47.0 wheel (only on its main branch; no wheel of it on "
                                    "PyPI to carry)",
