@@ -11,7 +11,7 @@
 #                                               VARIANT: dflash dflash2 dspark domino xpress lilicorr-conv
 #   bash benchmarks/peers_gpu.sh OUT collect    the table of step times and ratios from OUT's JSON files
 #   bash benchmarks/peers_gpu.sh OUT smoke      HERE, on the CPU (needs PyPI): the same wheels for this Python, then
-#                                               every peer's step at `--shape tiny` (a few minutes on 2 cores)
+#                                               every peer's step at `--shape tiny` (about 9 minutes on 2 cores)
 # PEERS picks the peers of a variant part (default: all three); WARMUP, STEPS and STEP_TIMEOUT (seconds a process).
 set -u -o pipefail
 out=${1:?OUT_DIR}; part=${2:?wheels|dflash|dflash2|dspark|domino|xpress|lilicorr-conv|collect|smoke}
