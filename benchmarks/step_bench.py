@@ -96,17 +96,19 @@ def matmul_peak(n: int = 8192, iters: int = 20) -> float:
     return 2 * n**3 * iters / (time.perf_counter() - t)
 
 
-def write_target(folder: Path) -> Path:
-    """A Qwen3-8B-shaped target folder: config plus random embedding and head (all the module reads)."""
+def write_target(folder: Path, fields: dict = QWEN3_8B, final_norm: bool = False) -> Path:
+    """A Qwen3-shaped target folder (`fields`: the config, Qwen3-8B's by default): config plus random embedding and
+    head (all the module reads), and the final norm's weight (ones) with `final_norm` (a peer trainer reads it)."""
     from safetensors.torch import save_file
     from transformers import Qwen3Config
 
-    Qwen3Config(**QWEN3_8B).save_pretrained(folder)
+    Qwen3Config(**fields).save_pretrained(folder)
     g = torch.Generator().manual_seed(0)
-    shape = (QWEN3_8B["vocab_size"], QWEN3_8B["hidden_size"])
+    shape = (fields["vocab_size"], fields["hidden_size"])
     save_file(
         {"model.embed_tokens.weight": (torch.randn(shape, generator=g) * 0.02).bfloat16(),
-         "lm_head.weight": (torch.randn(shape, generator=g) * 0.02).bfloat16()},
+         "lm_head.weight": (torch.randn(shape, generator=g) * 0.02).bfloat16(),
+         **({"model.norm.weight": torch.ones(shape[1], dtype=torch.bfloat16)} if final_norm else {})},
         folder / "model.safetensors",
     )
     return folder
@@ -274,6 +276,15 @@ def _recompiles() -> int:
     from torch._dynamo.utils import counters
 
     return int(sum(counters["recompiles"].values()))
+
+
+def write_result(result: dict, out: Path | None) -> None:
+    """The results printed as indented JSON, and written to `out` when given."""
+    text = json.dumps(result, indent=2, default=str)
+    print(text)
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n")
 
 
 def print_line(row: dict) -> None:
@@ -774,11 +785,7 @@ def main() -> None:
                         row["pipeline_tokens_per_s"], 8, args.ddp_efficiency, 800e3, 6, args.mean_tokens,
                         args.packing_fill)
             report("projection_8xh200", result.get("projection_8xh200"))
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    write_result(result, args.out)
 
 
 if __name__ == "__main__":
