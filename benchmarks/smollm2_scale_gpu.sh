@@ -113,11 +113,14 @@ case $part in
       name=${run%%:*}; dir=$WORK/$name; ckpt=$(ls "$dir"/runs/*/checkpoints/last.ckpt 2>/dev/null | head -1)
       [ -f "$ckpt" ] || { log "eval $name: no last.ckpt under $dir/runs"; continue; }
       first=${first:-$ckpt}
-      python3 -m dflash_lightning evaluate --drafter "$ckpt" --prompts "$heldout" --num_prompts "${EVAL_PROMPTS:-128}" \
-        "${common[@]}" --out "$dir/eval-heldout" > "$dir/eval-heldout.log" 2>&1; log "eval $name heldout: exit $?"
-      python3 -m dflash_lightning evaluate --drafter "$ckpt" --prompts "$humaneval" "${common[@]}" \
-        --out "$dir/eval-humaneval" > "$dir/eval-humaneval.log" 2>&1; log "eval $name humaneval: exit $?"
+      for set in heldout humaneval; do  # every run and set at once: the GPU has room for them
+        prompts=$([ $set = heldout ] && echo "$heldout" || echo "$humaneval")
+        (python3 -m dflash_lightning evaluate --drafter "$ckpt" --prompts "$prompts" --num_prompts \
+          "${EVAL_PROMPTS:-164}" "${common[@]}" --out "$dir/eval-$set" > "$dir/eval-$set.log" 2>&1
+         log "eval $name $set: exit $?") &
+      done
     done
+    wait
     for graphs in "" --no-graphs; do  # eager too: the graphs' gain, and a figure should capture fail
       [ -n "$first" ] && { python3 benchmarks/decode_speed.py --target "$TARGET" --drafter "$first" --prompts "$heldout" \
         --num-prompts "${SPEED_PROMPTS:-16}" --max-new-tokens "${SPEED_TOKENS:-256}" --device "$DEVICE" \
