@@ -1,8 +1,8 @@
-"""Run by an SGLang venv's python (not the project's): build SGLang 0.5.23's own DFlashDraftModel on the CPU from a
+"""Run by the engine venv's python (not the project's): build SGLang 0.5.23's own DFlashDraftModel on the CPU from a
 Domino folder's config.json, load the folder's weights with its load_weights, and draft with its
 domino_greedy_rollout, for tests/test_domino.py.
 
-    ENGINE_PYTHON tests/domino_engines.py IN.pt OUT.pt    (exit 3: SGLang is not installed)
+    ENGINE_PYTHON tests/domino_engines.py IN.pt OUT.pt    (exit 3, which fails the test: SGLang is not installed)
 
 IN.pt: a list of cases {"config": config.json as a dict, "weights": {name: bf16 tensor}, "inputs": {"hidden" [A, B, H]
 backbone outputs, "first" [A] slot-0 tokens, "embed" [V, H] and "head" [V, H] the target's}, "pools": [pool sizes],
@@ -77,7 +77,21 @@ def contains(param: torch.Tensor, value: torch.Tensor) -> bool:
     p, v = param.detach().flatten().float(), value.flatten().float()
     if v.numel() > p.numel():
         return False
-    return bool((p.unfold(0, v.numel(), 1) == v).all(-1).any())
+    starts = (p[: p.numel() - v.numel() + 1] == v[0]).nonzero().flatten()  # where the run could begin
+    return any(torch.equal(p[s : s + v.numel()], v) for s in starts.tolist())
+
+
+def load_and_compare(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
+    """`model.load_weights(weights)` (SGLang's own loader); the parameters it left unset (all start as NaN) and the
+    tensors found in no parameter (its loader skips names it does not know, silently)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float("nan"))
+    model.load_weights(iter(weights.items()))
+    params = dict(model.named_parameters())
+    missing = sorted(name for name, p in params.items() if p.isnan().any())
+    unexpected = sorted(name for name, value in weights.items() if not any(contains(p, value) for p in params.values()))
+    return missing, unexpected
 
 
 def run(case: dict) -> dict:
@@ -89,14 +103,7 @@ def run(case: dict) -> dict:
     reset_context()  # one rank: the layers read the TP size and the TP groups' placement from it (SGLang's own
     publish(ServerArgs(model_path="dummy", device="cpu"), role="test")  # helper for tests without process groups)
     model = build(case["config"], torch.bfloat16)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.fill_(float("nan"))
-    model.load_weights(iter(case["weights"].items()))
-    params = dict(model.named_parameters())
-    missing = sorted(name for name, p in params.items() if p.isnan().any())
-    unexpected = sorted(name for name, value in case["weights"].items()
-                        if not any(contains(p, value) for p in params.values()))
+    missing, unexpected = load_and_compare(model, case["weights"])
     d = model.draft_config
     parsed = {"projector_type": d.projector_type, "shift_label": d.shift_label,
               "pure_draft_prefix_len": d.pure_draft_prefix_len, "gru_hidden_dim": d.gru_hidden_dim,

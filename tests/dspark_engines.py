@@ -2,7 +2,7 @@
 load a drafter's `markov_head.*` and `confidence_head.*` weights through its loader's rules, and write what they
 compute for tests/test_dspark.py.
 
-    ENGINE_PYTHON tests/dspark_engines.py IN.pt OUT.pt ENGINE    (ENGINE: vllm; exit 3: not installed)
+    ENGINE_PYTHON tests/dspark_engines.py IN.pt OUT.pt ENGINE    (ENGINE: vllm; exit 3, failing the test: not installed)
 
 IN.pt: a list of cases {"vocab_size", "hidden_size", "markov_rank", "with_markov", "weights": {name: t}, "inputs":
 {"prev" [N] token ids, "hidden" [N, H]}}. OUT.pt: one per case {"bias" [N, V] the Markov logit term, "confidence"
@@ -21,6 +21,9 @@ warnings.filterwarnings("ignore")
 
 
 def run_vllm(case: dict) -> dict:
+    import vllm034
+
+    vllm034.install()  # 0.34's model modules in place of 0.32's
     from torch import nn
     from vllm.config import CompilationConfig, VllmConfig, set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel

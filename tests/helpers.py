@@ -1,4 +1,4 @@
-"""Packed-batch builders, conversation records and a batch recorder shared by the tests."""
+"""Packed-batch builders, conversation records, a batch recorder and a short fit's config shared by the tests."""
 
 from __future__ import annotations
 
@@ -113,3 +113,20 @@ def write_jsonl(path: Path, records: list[dict], bad_line_at: int | None = None)
         lines.insert(bad_line_at, '{"messages": [broken')
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def tiny_fit_config(work: Path, steps: int) -> Path:
+    """configs/tiny.yaml for a short `fit` into `work/run` (its last.ckpt under run/checkpoints): `steps` steps, no
+    logger, no validation or progress bar, the checkpoint callback only; the config file written."""
+    import yaml
+
+    root = Path(__file__).parents[1]
+    config = yaml.safe_load((root / "configs" / "tiny.yaml").read_text())
+    config["trainer"].update(default_root_dir=str(work / "run"), max_steps=steps, logger=False,
+                             val_check_interval=10_000, enable_progress_bar=False)
+    callbacks = [c for c in config["trainer"]["callbacks"] if "ModelCheckpoint" in c["class_path"]]
+    callbacks[0]["init_args"]["dirpath"] = str(work / "run" / "checkpoints")
+    config["trainer"]["callbacks"] = callbacks
+    config["spec_eval"]["prompts"] = None
+    (work / "fit.yaml").write_text(yaml.safe_dump(config))
+    return work / "fit.yaml"

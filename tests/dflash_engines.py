@@ -1,0 +1,273 @@
+"""Run by the engine venv's python (not the project's): build an engine's own DFlash or DFlash2 drafter from an
+exported folder, load the folder's weights with its own loader, and draft one block, for tests/test_engine_drafts.py.
+
+    ENGINE_PYTHON tests/dflash_engines.py IN.pt OUT.pt ENGINE    (ENGINE: dflash, sglang or vllm)
+
+A missing engine, module or file is an error (a traceback, a non-zero exit): only the engine part of .ci/run runs this.
+
+IN.pt: a list of cases {"folder": an exported folder, "target": its target's folder, "inputs": {"features" [n, K*H] the
+context's target features at positions 0..n-1, "block" [B] the block [x, MASK, ...] at positions n..n+B-1, "embed" [V,
+H] and "head" [V, H] the target's}}. OUT.pt: one per case {"hidden" [B, H] the final-normed block, "logits" [B, V],
+"drafts" [B-1] greedy (DFlash and DFlash2; None for the variants whose heads draft), "missing" / "unexpected" weight
+names}.
+
+The engines' pieces the CPU cannot run, replaced by torch (the test names them too, STAND_INS):
+ - SGLang's RadixAttention (its attention backends are CUDA kernels): `ContextAttention`, SDPA of the block's queries
+   over the context K/V SGLang's own worker writes (kv_proj_only, apply_k_norm, apply_k_rope of
+   project_target_hidden) and the block's own K/V, both ways (the folders' layers are full, non-causal);
+ - vLLM's Attention layer (its CPU backend takes no DFlash arguments): `VllmAttention`, the same, over the context K/V
+   vLLM 0.34's precompute_and_store_context_kv writes through it;
+ - vLLM 0.34's `ops.rms_norm` with a weight per layer (its context-K norm of all layers in one call), which 0.32's
+   CPU kernel runs with the first layer's weight for all: `grouped_rms_norm`, in torch;
+ - vLLM's DFlash2 walk (a Triton kernel of its speculator, Model Runner V2): lilicorr_engines.walk_from_row_zero, its
+   greedy rule in torch, on the scores of vLLM's own CandidateSelector.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+import types
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+warnings.filterwarnings("ignore")
+# SGLang builds (and loads) DSpark's confidence head only under ragged verification, as docs/dspark.md serves it
+os.environ.setdefault("SGLANG_RAGGED_VERIFY_MODE", "cap-accept")
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Non-causal attention of q [B, heads*D] over k, v [n, kv_heads*D] (GQA), as [B, heads*D]."""
+    q, k, v = (t.reshape(t.shape[0], -1, head_dim).transpose(0, 1) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q[None], k[None], v[None], enable_gqa=True)[0]
+    return out.transpose(0, 1).reshape(q.shape[1], -1)
+
+
+class ContextAttention(torch.nn.Module):
+    """The stand-in for an engine's attention layer: the block attends to the context K/V given and to itself."""
+
+    def __init__(self, head_dim: int) -> None:
+        super().__init__()
+        self.head_dim, self.k, self.v = head_dim, None, None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if kwargs.get("sinks") is not None:
+            raise NotImplementedError("attention sinks: not in the project's folders")
+        return sdpa(q, torch.cat([self.k, k.reshape(k.shape[0], -1)]), torch.cat([self.v, v.reshape(v.shape[0], -1)]),
+                    self.head_dim)
+
+
+def drafts_of(config: dict, logits: torch.Tensor, propose) -> torch.Tensor | None:
+    """Greedy drafts of slots 1..B-1: the argmax (DFlash), or the engine's own selector (DFlash2); None for the
+    variants whose heads draft (their own engine tests run those heads)."""
+    if config["architectures"] == ["DFlashDraftModel"]:
+        return logits[1:].argmax(-1)
+    if config["architectures"] == ["DFlash2DraftModel"]:
+        return propose()
+    return None
+
+
+def run_dflash(case: dict) -> dict:
+    """z-lab's `dflash` 0.1.0: its DFlashDraftModel / DFlash2DraftModel, from_pretrained on the folder (plain torch)."""
+    import dflash
+
+    folder, x = Path(case["folder"]), case["inputs"]
+    config = json.loads((folder / "config.json").read_text())
+    cls = getattr(dflash, config["architectures"][0])
+    model, info = cls.from_pretrained(folder, dtype=torch.float32, output_loading_info=True)
+    model.eval()
+    n, b = x["features"].shape[0], x["block"].shape[0]
+    head = torch.nn.Linear(x["head"].shape[1], x["head"].shape[0], bias=False)
+    head.weight.data = x["head"]
+    with torch.no_grad():
+        hidden = model(position_ids=torch.arange(n + b)[None], noise_embedding=x["embed"][x["block"]][None],
+                       target_hidden=x["features"][None])[0]
+        logits = model.compute_logits(hidden, head)
+        drafts = drafts_of(config, logits,
+                           lambda: model.propose(hidden[None, 1:], x["block"][:1], head, 0.0)[0][0])
+    return {"hidden": hidden, "logits": logits, "drafts": drafts, "missing": sorted(info["missing_keys"]),
+            "unexpected": sorted(info["unexpected_keys"]) + [str(m) for m in info["mismatched_keys"]]}
+
+
+# config.json's architecture -> SGLang 0.5.23's module whose EntryClass holds the class of that name
+SGLANG_MODULES = {"DFlashDraftModel": "dflash", "DFlash2DraftModel": "dflash", "LiLiCorrDraftModel": "lilicorr",
+                  "Qwen3DSparkModel": "dspark"}
+
+
+def run_sglang(case: dict) -> dict:
+    """SGLang 0.5.23: its DFlashDraftModel / DFlash2DraftModel (by the folder's architecture, as its EntryClass),
+    load_weights, the context K/V as its worker writes them, its forward, its selector's greedy walk."""
+    import domino_engines
+
+    domino_engines.prepare()
+    from sglang.srt.runtime_context import reset_context
+    from sglang.srt.server_args import ServerArgs
+    from sglang.test.parallel_groups import publish
+    from transformers import Qwen3Config
+
+    reset_context()
+    publish(ServerArgs(model_path="dummy", device="cpu"), role="test")
+    folder, x = Path(case["folder"]), case["inputs"]
+    config = json.loads((folder / "config.json").read_text())
+    name = config["architectures"][0]
+    cls = getattr(importlib.import_module(f"sglang.srt.models.{SGLANG_MODULES[name]}"), name)
+    model = cls(Qwen3Config.from_dict(config)).float()
+    weights = {k: v.float() for k, v in load_file(folder / "model.safetensors").items()}
+    missing, unexpected = domino_engines.load_and_compare(model, weights)
+    n, b = x["features"].shape[0], x["block"].shape[0]
+    with torch.no_grad():
+        ctx = model.project_target_hidden(x["features"])
+        for layer in model.layers:
+            attn = layer.self_attn
+            k, v = attn.kv_proj_only(model.prepare_context_hidden_for_kv(layer, ctx))
+            stand_in = ContextAttention(attn.head_dim)
+            stand_in.k, stand_in.v = attn.apply_k_rope(torch.arange(n), attn.apply_k_norm(k)), v
+            attn.attn = stand_in
+        hidden = model(input_ids=None, positions=torch.arange(n, n + b), forward_batch=None,
+                       input_embeds=x["embed"][x["block"]]).hidden_states
+        logits = hidden @ x["head"].T  # the target's head (SGLang's DFlash model has none of its own)
+
+        def propose() -> torch.Tensor:
+            model.lm_head = torch.nn.Linear(x["head"].shape[1], x["head"].shape[0], bias=False)
+            model.lm_head.weight.data = x["head"]
+            model.lm_head.org_vocab_size = x["head"].shape[0]
+            ids, vals = model.compute_candidates(hidden[1:])
+            scores = model.candidate_selector.build_lattice(candidate_ids=ids[None], unary_logits=vals[None],
+                                                            hidden_states=hidden[None, 1:],
+                                                            anchor_token_ids=x["block"][:1])
+            tokens, _ = model.candidate_selector.sample_path(
+                candidate_ids=ids[None], scores=scores, uniforms=torch.zeros(1, b - 1),
+                temperatures=torch.ones(1), greedy_mask=torch.ones(1, dtype=torch.bool))
+            return tokens[0]
+
+        drafts = drafts_of(config, logits, propose)
+    return {"hidden": hidden, "logits": logits, "drafts": drafts, "missing": missing, "unexpected": unexpected}
+
+
+class VllmAttention(ContextAttention):
+    """ContextAttention built as vLLM's Attention layer is, which takes the context K/V through the cache update
+    precompute_and_store_context_kv calls (`attn.impl.do_kv_cache_update`)."""
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, **kwargs) -> None:
+        super().__init__(head_size)
+        if scale != head_size**-0.5 or kwargs.get("sinks") is not None or kwargs.get("per_layer_sliding_window"):
+            raise NotImplementedError(f"attention settings the project's folders do not use: {scale}, {kwargs}")
+        self.layer_name, self.kv_cache = kwargs.get("prefix"), None
+        object.__setattr__(self, "impl", self)  # not a submodule of itself
+
+    def do_kv_cache_update(self, attn, k: torch.Tensor, v: torch.Tensor, cache, slots) -> None:
+        self.k, self.v = k.flatten(1), v.flatten(1)
+
+
+def grouped_rms_norm(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """vLLM 0.34's `ops.rms_norm` as its context-K path calls it: a weight [L, D] per layer, L the outermost dim of x
+    [L, n, heads, D] (`_normalize_context_k`). The CPU kernel of vLLM 0.32 reads weight[0] for every layer."""
+    w = weight.view(weight.shape[0], *[1] * (x.dim() - 2), weight.shape[-1]) if weight.dim() == 2 else weight
+    out.copy_(x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps).to(x.dtype) * w)
+
+
+# config.json's architecture -> vLLM 0.34's model class (its vllm/model_executor/models/registry.py)
+VLLM_CLASSES = {"DFlashDraftModel": ("qwen3_dflash", "DFlashQwen3ForCausalLM"),
+                "DFlash2DraftModel": ("qwen3_dflash2", "DFlash2Qwen3ForCausalLM"),
+                "LiLiCorrDraftModel": ("lilicorr", "LiLiCorrForCausalLM"),
+                "Qwen3DSparkModel": ("qwen3_dspark", "Qwen3DSparkForCausalLM"),
+                "Qwen3XPressModel": ("qwen3_xpress", "Qwen3XPressForCausalLM")}
+# a folder's tensors vLLM's load_weights reads but stores transformed, so no parameter holds their values
+VLLM_TRANSFORMED = {"xpress_head.mix.L": "read raw and stored as mix_L = L * tril + I by Qwen3XPressForCausalLM"}
+# what vLLM's DFlash model holds and a folder does not, by design: the target's embedding and head (shared at load),
+# the mask embedding of a `mask_embedding.pt` (none here), the draft-to-target id map (equal vocabularies)
+VLLM_NOT_FROM_FOLDER = ("model.embed_tokens.weight", "lm_head.weight", "model.mask_embedding")
+
+
+def run_vllm(case: dict) -> dict:
+    """vLLM 0.34's DFlashQwen3ForCausalLM / DFlash2Qwen3ForCausalLM (tests/vllm034.py), built from its own configs
+    (ModelConfig of the target, SpeculativeConfig of the folder), load_weights, process_weights_after_loading,
+    precompute_and_store_context_kv, forward, compute_logits; DFlash2: compute_candidates and its selector's scores,
+    walked greedily (the walk is a Triton kernel: lilicorr_engines.walk_from_row_zero, its greedy rule in torch)."""
+    import vllm034
+
+    vllm034.install()
+    from lilicorr_engines import free_port, walk_from_row_zero
+    from vllm import _custom_ops as ops
+    from vllm.config import (
+        CompilationConfig,
+        ModelConfig,
+        ParallelConfig,
+        SpeculativeConfig,
+        VllmConfig,
+        set_current_vllm_config,
+    )
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.distributed.parallel_state import model_parallel_is_initialized
+    from vllm.model_executor.models import qwen3_dflash  # 0.34's, installed above
+
+    folder, x = Path(case["folder"]), case["inputs"]
+    config = json.loads((folder / "config.json").read_text())
+    n, b = x["features"].shape[0], x["block"].shape[0]
+    target = ModelConfig(model=case["target"], dtype="float32")
+    parallel = ParallelConfig()
+    spec = SpeculativeConfig(method=case["vllm_spec"]["method"], model=str(folder),
+                             num_speculative_tokens=case["vllm_spec"]["num_speculative_tokens"],
+                             target_model_config=target, target_parallel_config=parallel)
+    # 0.32's VllmConfig refuses DFlash2 for its CPU runtime (Model Runner V1); the model classes read only the
+    # speculative config, so it is set after the check
+    vllm_config = VllmConfig(model_config=target, parallel_config=parallel,
+                             compilation_config=CompilationConfig(mode=0))
+    vllm_config.speculative_config = spec
+    qwen3_dflash.Attention = VllmAttention  # built in place of vLLM's (whose CPU backend cannot run DFlash)
+    qwen3_dflash.ops = types.SimpleNamespace(rms_norm=grouped_rms_norm, rotary_embedding=ops.rotary_embedding)
+    module, name = VLLM_CLASSES[config["architectures"][0]]
+    cls = getattr(importlib.import_module(f"vllm.model_executor.models.{module}"), name)
+    with set_current_vllm_config(vllm_config):
+        if not model_parallel_is_initialized():  # one rank, as `vllm serve` on one CPU
+            init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                         distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
+            initialize_model_parallel(1, 1)
+        model = cls(vllm_config=vllm_config, prefix="")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float("nan"))
+    weights = load_file(folder / "model.safetensors")
+    unexpected = []
+    try:
+        model.load_weights(iter(weights.items()))
+    except ValueError as err:  # AutoWeightsLoader refuses a name it has no parameter for
+        unexpected.append(str(err))
+    import domino_engines
+
+    params = dict(model.named_parameters())
+    missing = sorted(k for k, p in params.items() if p.isnan().any() and not k.startswith(VLLM_NOT_FROM_FOLDER))
+    unexpected += sorted(k for k, v in weights.items() if k not in VLLM_TRANSFORMED
+                         and not any(domino_engines.contains(p, v) for p in params.values()))
+    with torch.no_grad():
+        model.model.embed_tokens.weight.copy_(x["embed"])  # the target's, which vLLM shares with the drafter
+        model.lm_head.weight.copy_(x["head"])
+        for module in model.modules():  # the loader's process_weights_after_loading (the CPU GEMM's weight layout)
+            method = getattr(module, "quant_method", None)
+            if method is not None:
+                method.process_weights_after_loading(module)
+        model.process_weights_after_loading()
+        model.precompute_and_store_context_kv(model.combine_hidden_states(x["features"]), torch.arange(n),
+                                              torch.arange(n))
+        hidden = model(x["block"], torch.arange(n, n + b))
+        logits = model.compute_logits(hidden)
+
+        def propose() -> torch.Tensor:
+            ids, unary = model.compute_candidates(hidden[1:])
+            scores = model.model.candidate_selector(ids[None], unary[None], hidden[None, 1:], x["block"][:1])
+            return walk_from_row_zero(scores, ids[None])[0]
+
+        drafts = drafts_of(config, logits, propose)
+    return {"hidden": hidden, "logits": logits, "drafts": drafts, "missing": missing, "unexpected": unexpected}
+
+
+if __name__ == "__main__":
+    cases, engine = torch.load(sys.argv[1]), sys.argv[3]
+    run = {"dflash": run_dflash, "sglang": run_sglang, "vllm": run_vllm}[engine]
+    torch.save([run(case) for case in cases], sys.argv[2])

@@ -1,0 +1,166 @@
+"""The engines' own DFlash and DFlash2 model code on our exported folders, a trained one and a random one of each:
+z-lab's `dflash` 0.1.0, SGLang 0.5.23 and vLLM 0.34 build the drafter from the folder's config.json, load its weights
+with no missing or unexpected one, and on a real context of the tiny target give `evaluate`'s block hidden states and
+logits (within TOLERANCE) and its greedy drafts (equal). The engines run in the engine venv (tests/dflash_engines.py);
+skipped, naming what is missing, unless $DFLASH_ENGINE_PYTHON names it (.ci/run's engine part sets it, and there a
+missing engine, module or file fails)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import tiny_fit_config
+
+from dflash_lightning.config import DrafterConfig
+from dflash_lightning.decoding.evaluate import prompt_ids, read_prompts
+from dflash_lightning.decoding.speculative import DraftContext, SpeculativeDecoder
+from dflash_lightning.export import export, load_drafter, serve_commands, write_folder
+from dflash_lightning.model import DFlashDrafter
+from dflash_lightning.parts.convolutions import ConvSettings
+from dflash_lightning.parts.selector import SelectorSettings
+
+ROOT = Path(__file__).parents[1]
+TARGET = ROOT / "dflash_lightning" / "assets" / "tiny" / "target_model"
+PROMPTS = ROOT / "dflash_lightning" / "assets" / "tiny" / "data" / "prompts.jsonl"
+ENGINE = os.environ.get("DFLASH_ENGINE_PYTHON", "")
+FIT_STEPS = 10  # a short fit: weights that training moved, not an initialisation
+# The variants whose folders each engine's own model class loads (Domino: SGLang alone, tests/test_domino.py)
+ENGINES = {"dflash": ("dflash", "dflash2"), "sglang": ("dflash", "dflash2", "lilicorr", "lilicorr-conv", "dspark"),
+           "vllm": ("dflash", "dflash2", "lilicorr", "lilicorr-conv", "dspark", "xpress")}
+# the settings a variant's fit needs beyond the tiny config (benchmarks/objective_ab.py's recipes; LiLiCorr's default
+# lattice is sized for 8B drafters: 10 steps of it on the tiny target take minutes)
+TINY_LATTICE = ["--model.drafter.lilicorr.hidden_size=0", "--model.drafter.lilicorr.factor_dim=128"]
+FIT_SETTINGS = {"dspark": ["--model.objective=ce", "--model.loss_weights=decay"], "lilicorr": TINY_LATTICE,
+                "lilicorr-conv": TINY_LATTICE, "xpress": ["--model.objective=ce", "--model.loss_weights=decay"]}
+SMALL = {"dflash2": {"conv": ConvSettings(3, 16), "selector": SelectorSettings(8, 4)}}  # else the defaults
+# fp32 on both sides; the engines' paths differ from ours by summation order (SDPA against our masked attention,
+# fused q/k/v and gate/up projections), observed below 1e-5 on logits of magnitude ~10
+TOLERANCE = dict(rtol=1e-4, atol=1e-4)
+# What the CPU cannot run in each engine and what replaces it (tests/dflash_engines.py)
+STAND_INS = {
+    "dflash": [],  # plain torch and transformers
+    "sglang": ["RadixAttention -> torch SDPA over the context K/V SGLang's worker writes and the block's own",
+               "sgl_kernel (compiled kernels, no CPU wheel) -> an import stand-in none of these paths calls",
+               "torchvision (multimodal helpers) -> an import stand-in"],
+    "vllm": ["Attention -> torch SDPA over the context K/V vLLM's precompute_and_store_context_kv writes and the "
+             "block's own",
+             "ops.rms_norm with a weight per layer (0.34's context-K norm; 0.32's CPU kernel takes the first layer's "
+             "weight for all) -> the same norm in torch",
+             "the DFlash2 selector walk (speculator's Triton kernel) -> its greedy rule in torch, on the scores of "
+             "vLLM's own CandidateSelector"],
+}
+assert STAND_INS.keys() == ENGINES.keys()
+pytestmark = pytest.mark.skipif(not ENGINE, reason="no engine venv: $DFLASH_ENGINE_PYTHON is not set "
+                                                   "(tools/engine_venv.sh; .ci/run's engine part sets it)")
+
+
+def project_env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
+def start_fit(variant: str, work: Path) -> subprocess.Popen:
+    """`fit` of the tiny config for FIT_STEPS steps, as a user runs it, started (the two variants' fits run at once)."""
+    config = tiny_fit_config(work, FIT_STEPS)
+    return subprocess.Popen([sys.executable, "-m", "dflash_lightning", "fit", "--config", str(config),
+                             f"--model.drafter.variant={variant}", *FIT_SETTINGS.get(variant, [])], cwd=ROOT,
+                            env=project_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def random_folder(variant: str, work: Path) -> Path:
+    """A drafter as initialised, every weight moved off its initial value (norms not 1, convolutions not the
+    identity), written as `export` writes it."""
+    from transformers import AutoConfig
+
+    cfg = DrafterConfig(num_layers=2, block_size=8, mask_token_id=4000, variant=variant, **SMALL.get(variant, {}))
+    cfg = cfg.resolved(AutoConfig.from_pretrained(TARGET))
+    torch.manual_seed(1)
+    drafter = DFlashDrafter(cfg)
+    for p in drafter.parameters():
+        p.data += 0.1 * torch.randn_like(p)
+    state = {k: v for k, v in drafter.state_dict().items() if not k.startswith(("embed", "head"))}
+    return write_folder(cfg, state, work / "drafter", "float32")
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict[tuple[str, str], Path]:
+    """A trained (`fit`, then `export` as fp32) and a random folder of each variant; the fits run two at a time."""
+    variants = sorted({v for vs in ENGINES.values() for v in vs})
+    made = {}
+    for pair in (variants[i : i + 2] for i in range(0, len(variants), 2)):
+        works = {variant: tmp_path_factory.mktemp(f"{variant}-trained") for variant in pair}
+        fits = {variant: start_fit(variant, work) for variant, work in works.items()}
+        try:
+            for variant in pair:
+                made[variant, "random"] = random_folder(variant, tmp_path_factory.mktemp(f"{variant}-random"))
+            for variant, fit in fits.items():
+                _, stderr = fit.communicate(timeout=900)
+                assert fit.returncode == 0, f"fit of {variant} failed:\n{stderr[-3000:]}"
+                made[variant, "trained"] = export(checkpoint=str(works[variant] / "run/checkpoints/last.ckpt"),
+                                                  out=str(works[variant] / "drafter"), dtype="float32")
+        finally:
+            for fit in fits.values():
+                if fit.poll() is None:
+                    fit.kill()
+                    fit.wait()
+    return made
+
+
+@pytest.fixture(scope="module")
+def cases(folders) -> dict[tuple[str, str], tuple[dict, dict]]:
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(TARGET, dtype=torch.float32).eval()
+    return {key: case_of(folder, target) for key, folder in folders.items()}
+
+
+def case_of(folder: Path, target: torch.nn.Module) -> tuple[dict, dict]:
+    """Inputs of one block after a real prompt of the tiny target, and `evaluate`'s side on them: the drafter it
+    loads from the folder, its context, block hidden states, logits and (DFlash, DFlash2) drafts
+    (SpeculativeDecoder.draft); the vLLM speculative config `export` prints for the folder."""
+    from transformers import AutoTokenizer, DynamicCache
+
+    drafter = load_drafter(folder, str(TARGET))
+    decoder = SpeculativeDecoder(target, drafter)
+    prompt = torch.tensor(prompt_ids(AutoTokenizer.from_pretrained(TARGET), read_prompts(PROMPTS)[0]))
+    with torch.no_grad():
+        logits, features = decoder._target(prompt, DynamicCache())
+    x = logits[-1].argmax()
+    n, b = prompt.numel(), drafter.config.block_size
+    context = DraftContext(drafter)
+    context.extend(features, torch.arange(n))
+    block = torch.full((b,), drafter.config.mask_token_id)
+    block[0] = x
+    with torch.no_grad():
+        hidden = context.block_hidden(block, n)
+        ours = {"hidden": hidden, "logits": drafter.logits(hidden), "drafts": decoder.draft(context, x, n).tokens}
+    inputs = {"features": features, "block": block, "embed": drafter.embed_weight, "head": drafter.head_weight}
+    command = serve_commands(folder, drafter.config, str(TARGET))["vllm"]
+    spec = json.loads(shlex.split(command)[shlex.split(command).index("--speculative-config") + 1])
+    return {"folder": str(folder), "target": str(TARGET), "vllm_spec": spec, "inputs": inputs}, ours
+
+
+@pytest.mark.parametrize("engine", sorted(ENGINES))
+def test_engines_load_our_folders_and_draft_as_evaluate(engine, cases, tmp_path):
+    """Each engine's own drafter class, on a trained and a random folder of each variant it serves: no missing or
+    unexpected weight, evaluate's block hidden states and logits within TOLERANCE, and (DFlash, DFlash2, whose
+    drafting is the backbone's and the selector's) its greedy drafts exactly; the other variants' heads draft in
+    their own engine tests."""
+    mine = {key: case for key, case in cases.items() if key[0] in ENGINES[engine]}
+    torch.save([case for case, _ in mine.values()], tmp_path / "in.pt")
+    done = subprocess.run([ENGINE, str(Path(__file__).with_name("dflash_engines.py")), str(tmp_path / "in.pt"),
+                           str(tmp_path / "out.pt"), engine], capture_output=True, text=True, timeout=900,
+                          cwd=Path(__file__).parent)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for (key, (_, ours)), theirs in zip(mine.items(), torch.load(tmp_path / "out.pt"), strict=True):
+        assert not theirs["missing"] and not theirs["unexpected"], (key, theirs["missing"], theirs["unexpected"])
+        torch.testing.assert_close(theirs["hidden"], ours["hidden"], **TOLERANCE, msg=f"{key}: hidden")
+        torch.testing.assert_close(theirs["logits"], ours["logits"], **TOLERANCE, msg=f"{key}: logits")
+        if key[0] in ("dflash", "dflash2"):
+            assert theirs["drafts"].tolist() == ours["drafts"].tolist(), key
