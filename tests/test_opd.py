@@ -257,3 +257,11 @@ def test_slot_kls_chunks_equal_one_pass():
         assert torch.equal(x, y)
     log_q, log_p = F.log_softmax(d @ head.double().T, -1), F.log_softmax(t @ head.double().T, -1)
     torch.testing.assert_close(one[0], (log_p.exp() * (log_p - log_q)).sum(-1))
+
+
+def test_the_shipped_stage_config_parses_and_instantiates(stage_config, tmp_path):
+    """configs/stages/tiny-opd.yaml (outside configs/*.yaml: its init_from is a run's output) on a tiny stand-in."""
+    _, sft = stage_config
+    path = Path(__file__).resolve().parents[1] / "configs" / "stages" / "tiny-opd.yaml"
+    cli = cli_main(["--config", str(path), f"--model.init_from={sft}", "--trainer.max_steps=1"], run=False)
+    assert cli.model.hparams.stage == "opd" and cli.model.replays and cli.model.opd_settings == OPDSettings()
