@@ -12,8 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
-from test_cli import small_config
-from test_resume import fit_args
+from test_resume import fit_args, resume_config  # noqa: F401 (a fixture)
 
 from dflash_lightning.blocks import FILL_IN
 from dflash_lightning.cli import cli_main
@@ -144,17 +143,12 @@ def test_the_replay_block_mask_is_its_mask_mod():
 
 # -- the stage in fit -------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def stage_config(tmp_path_factory) -> tuple[Path, Path]:
-    """A small DFlash run config and the checkpoint of its 2 supervised steps, the stage's starting drafter."""
+def stage_config(resume_config, tmp_path_factory) -> tuple[Path, Path]:  # noqa: F811 (the imported fixture)
+    """test_resume's small run as DFlash, and the checkpoint of its 2 supervised steps, the stage's starting drafter."""
     root = tmp_path_factory.mktemp("opd")
-    config = small_config(root, 12)
+    config = yaml.safe_load(resume_config.read_text())
     config["model"]["drafter"]["variant"] = "dflash"
-    config["model"]["metrics_every"] = 1
-    config["trainer"].update(max_steps=2, log_every_n_steps=1, limit_val_batches=0, val_check_interval=None,
-                             check_val_every_n_epoch=None, enable_progress_bar=False, enable_model_summary=False)
-    config["trainer"]["callbacks"] = [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
-                                       "init_args": {"every_n_train_steps": 1, "save_top_k": -1}}]
-    config["spec_eval"] = {"prompts": None, "every_n_steps": 0}
+    config["trainer"]["max_steps"] = 2
     path = root / "config.yaml"
     path.write_text(yaml.safe_dump(config))
     cli_main(fit_args(path, root / "sft"))
@@ -168,8 +162,8 @@ def logged(run: Path) -> list[dict[str, str]]:
 
 def test_three_steps_of_the_stage_train_and_resume_after_sigterm(stage_config, tmp_path):
     """Three OPD steps from the supervised drafter: finite losses, the on-policy logs, the stage in the checkpoint.
-    Four steps with SIGTERM in step 1, then the same command: the steps after the preemption's checkpoint have the
-    uninterrupted run's losses, bitwise."""
+    SIGTERM in step 1, then the same command: the steps after the preemption's checkpoint have the uninterrupted
+    run's losses, bitwise."""
     config, sft = stage_config
     opd = ["--model.stage=opd", f"--model.init_from={sft}", "--trainer.max_steps=3"]
     cli_main(fit_args(config, tmp_path / "full", *opd))
@@ -181,17 +175,15 @@ def test_three_steps_of_the_stage_train_and_resume_after_sigterm(stage_config, t
         assert 1 <= float(r["train/opd/tau"]) <= 8 and float(r["train/opd/rollout_s"]) > 0
     ckpt = load_checkpoint(next((tmp_path / "full" / "ckpt").glob("*step=3*.ckpt")), verify=False)
     assert ckpt["dflash_run"]["model.stage"] == "opd" and ckpt["dflash_run"]["model.opd.gamma"] == 0.8
-    four = [*opd[:2], "--trainer.max_steps=4"]
-    cli_main(fit_args(config, tmp_path / "full4", *four))
     sigterm = "--trainer.callbacks+=" + json.dumps(
         {"class_path": "test_faults.SendSignal", "init_args": {"signum": int(signal.SIGTERM), "at_step": 1}})
     with pytest.raises(SystemExit) as stopped:
-        cli_main(fit_args(config, tmp_path / "cut", *four, sigterm))
+        cli_main(fit_args(config, tmp_path / "cut", *opd, sigterm))
     assert stopped.value.code == 143
-    cli_main(fit_args(config, tmp_path / "cut", *four))  # resumes from the preemption's checkpoint
-    full = {r["step"]: r["train/loss"] for r in logged(tmp_path / "full4")}
+    cli_main(fit_args(config, tmp_path / "cut", *opd))  # resumes from the preemption's checkpoint
+    full = {r["step"]: r["train/loss"] for r in rows}
     cut = {r["step"]: r["train/loss"] for r in logged(tmp_path / "cut")}
-    assert "3" in cut and all(cut[step] == full[step] for step in cut), (cut, full)
+    assert "2" in cut and all(cut[step] == full[step] for step in cut), (cut, full)
 
 
 def test_a_resume_cannot_switch_stages(stage_config, tmp_path):
