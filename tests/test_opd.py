@@ -257,3 +257,16 @@ def test_the_shipped_stage_config_parses_and_instantiates(stage_config, tmp_path
     path = Path(__file__).resolve().parents[1] / "configs" / "stages" / "tiny-opd.yaml"
     cli = cli_main(["--config", str(path), f"--model.init_from={sft}", "--trainer.max_steps=1"], run=False)
     assert cli.model.hparams.stage == "opd" and cli.model.replays and cli.model.opd_settings == OPDSettings()
+
+
+@pytest.mark.parametrize(("placement", "cache"), [("separate", None), ("engine", None), ("colocated", "cache/")])
+def test_replay_refuses_a_target_away_from_the_trainer(placement, cache):
+    """Exact replay runs the target on the trainer's devices every step: a separate or engine placement, or a feature
+    cache (no target at all), is refused naming the setting and the way out; the approximation is not."""
+    from types import SimpleNamespace
+
+    from dflash_lightning.wiring import check_wiring
+
+    target = SimpleNamespace(placement=placement, feature_cache=cache)
+    with pytest.raises(ConfigError, match=r"^model.opd.replay: .*--model.opd.replay=false$"):
+        check_wiring(SimpleNamespace(replays=True), None, target)
