@@ -270,3 +270,33 @@ def test_replay_refuses_a_target_away_from_the_trainer(placement, cache):
     target = SimpleNamespace(placement=placement, feature_cache=cache)
     with pytest.raises(ConfigError, match=r"^model.opd.replay: .*--model.opd.replay=false$"):
         check_wiring(SimpleNamespace(replays=True), None, target)
+
+
+def test_the_ab_recipes_start_each_arm_from_the_400_step_supervised_run(tmp_path, monkeypatch):
+    """benchmarks/objective_ab.py: "@recipe/400" is that recipe's run of 400 steps, fitted first, whatever the arm's
+    own steps; every arm starts from that one checkpoint."""
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "benchmarks"))
+    try:
+        import objective_ab
+    finally:
+        sys.path.pop(0)
+    fits = []
+
+    def fake_run(cmd, **kwargs):  # a fit: its config's max_steps recorded, a checkpoint in its folder
+        config = Path(cmd[cmd.index("--config") + 1])
+        fits.append((config.parent.name, yaml.safe_load(config.read_text())["trainer"]["max_steps"]))
+        (config.parent / "checkpoints").mkdir(exist_ok=True)
+        (config.parent / "checkpoints/last.ckpt").write_bytes(b"")
+
+    monkeypatch.setattr(objective_ab.subprocess, "run", fake_run)
+    base = yaml.safe_load((root / "configs/tiny.yaml").read_text())
+    runs = [objective_ab.one_run(name, 0, tmp_path, base, "configs/tiny.yaml", steps=200, fit_only=True)
+            for name in ("sft-continued", "opd", "opd-approx")]
+    assert fits == [("dflash-dpace-ce-steps400-seed0", 400), ("sft-continued-steps200-seed0", 200),
+                    ("opd-steps200-seed0", 200), ("opd-approx-steps200-seed0", 200)]
+    start = str(tmp_path / "dflash-dpace-ce-steps400-seed0/checkpoints/last.ckpt")
+    assert all(r["settings"]["model.init_from"] == start for r in runs)
+    assert [r["settings"].get("model.stage") for r in runs] == [None, "opd", "opd"]
