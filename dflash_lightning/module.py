@@ -432,7 +432,8 @@ class DFlashModule(LightningModule):
         loss, logs = opd_loss(forward_kl, reverse_kl, accepted, supervised, self.opd_settings)
         blocks = valid.sum().clamp_min(1)
         logs |= {"opd/tau": 1 + (accepted & supervised).sum() / blocks,  # greedy verification's, on-policy
-                 "opd/rollout_s": torch.tensor(rollout), "opd/forward_s": torch.tensor(time.perf_counter() - start)}
+                 "opd/rollout_s": torch.tensor(rollout, device=loss.device),  # beside device values: one copy
+                 "opd/forward_s": torch.tensor(time.perf_counter() - start, device=loss.device)}
         return loss, logs
 
     def _replay_target(self) -> Any:
