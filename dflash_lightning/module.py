@@ -385,7 +385,7 @@ class DFlashModule(LightningModule):
 
     def opd_training_step(self, batch: dict[str, Tensor], measure: bool, generator: torch.Generator) -> Tensor:
         """The `opd` stage's step: its loss, logged with its parts (and the rollout's seconds) on measured steps."""
-        loss, logs = self.opd_step(batch, generator, self._replay_target() if self.replays else None)
+        loss, logs = self.opd_step(batch, generator, self._replay_target() if self.replays else None, measure)
         self._last_loss = loss.detach()
         if measure:
             counts = self.nonfinite_counts
@@ -395,10 +395,11 @@ class DFlashModule(LightningModule):
         return loss
 
     def opd_step(self, batch: dict[str, Tensor], generator: torch.Generator | None = None,
-                 target: Any = None) -> tuple[Tensor, dict[str, Tensor]]:
+                 target: Any = None, timed: bool = True) -> tuple[Tensor, dict[str, Tensor]]:
         """Draft-OPD's loss of one packed batch (docs/opd.md) and its logs: the drafter's greedy block at each anchor,
         the target's distribution at each slot (`target`, a FeatureExtractor: replayed on the drafts; None: the
-        row's own `final_hidden`), the accept mask, the acceptance-aware loss."""
+        row's own `final_hidden`), the accept mask, the acceptance-aware loss. `timed`: the rollout's seconds are
+        exact (a GPU is synchronised for them)."""
         if "context_features" not in batch or "final_hidden" not in batch:
             raise RuntimeError("model.stage 'opd' needs 'context_features' and 'final_hidden' in each batch: add the "
                                "TargetFeatures callback (a feature cache must be written with --final_hidden true)")
@@ -419,7 +420,7 @@ class DFlashModule(LightningModule):
             teacher = torch.cat([states[:, :1], states[:, :-1]], 1)
         else:  # the row's own state before each slot's label
             teacher = buf.final_hidden[teacher_positions(anchors, B, buf.input_ids.numel(), layout)]  # [A, B, H]
-        if hidden.is_cuda:  # the rollout's seconds (drafting and replay), read on measured steps only
+        if hidden.is_cuda and timed:  # the rollout's seconds (drafting and replay), on measured steps only
             torch.cuda.synchronize(hidden.device)
         rollout = time.perf_counter() - rollout
         forward_kl, reverse_kl, target_ids = (t.view(-1, B - 1) for t in slot_kls(
