@@ -161,6 +161,13 @@ RECIPES["lilicorr-conv-tokens-scaled-warm"] = {**RECIPES["lilicorr-conv-tokens-s
                                                "model.init_from": "@dflash2-dpace-ce"}
 # warm start: "@recipe" is that recipe's last.ckpt of the same seed and steps, fit first if it is not there
 RECIPES["lilicorr-conv-tokens-warm"] = {**RECIPES["lilicorr-conv-tokens"], "model.init_from": "@dflash2-dpace-ce"}
+# Draft-OPD (issue 56, docs/opd.md): a DFlash drafter's 400 supervised steps ("@recipe/400": that recipe's run of 400
+# steps), then --steps more of each arm from its weights, at the same halved lr (the paper's OPD lr is half its SFT's)
+OPD_BASE = {**DPACE, "model.drafter.variant": "dflash"}
+RECIPES["dflash-dpace-ce"] = OPD_BASE
+RECIPES["sft-continued"] = {**OPD_BASE, "model.init_from": "@dflash-dpace-ce/400", "model.lr": 1.5e-3}
+RECIPES["opd"] = {**RECIPES["sft-continued"], "model.stage": "opd"}
+RECIPES["opd-approx"] = {**RECIPES["opd"], "model.opd.replay": False}
 PROMPTS = "dflash_lightning/assets/tiny/data/prompts.jsonl"
 
 
@@ -253,11 +260,13 @@ def _one_run(name: str, seed: int, work: Path, base: dict, config_name: str, thr
                               "evaluate_args": evaluate_args})
     if record_path.exists() and (fit_only or report_path.exists()):
         return json.loads(record_path.read_text())
-    for key, value in settings.items():  # "@recipe": that recipe's last checkpoint of this seed, fit first if absent
-        if isinstance(value, str) and value.startswith("@"):
-            one_run(value[1:], seed, work, base, config_name, threads, device, temperatures, steps, fit_only, extra,
+    for key, value in settings.items():  # "@recipe[/steps]": that recipe's last checkpoint of this seed (of these
+        if isinstance(value, str) and value.startswith("@"):  # steps, else this run's), fit first if absent
+            source, _, of = value[1:].partition("/")
+            of = int(of) if of else steps
+            one_run(source, seed, work, base, config_name, threads, device, temperatures, of, fit_only, extra,
                     prompts, evaluate_args)
-            settings[key] = str(work / run_name(value[1:], seed, steps) / "checkpoints/last.ckpt")
+            settings[key] = str(work / run_name(source, seed, of) / "checkpoints/last.ckpt")
     run_dir.mkdir(parents=True, exist_ok=True)
     config = run_dir / "config.yaml"
     config_dict = run_config(base, run_dir, seed, settings, device)

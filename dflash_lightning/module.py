@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from collections import deque
 from pathlib import Path
 from typing import Any, Literal
@@ -22,17 +23,20 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 
 from dflash_lightning import lightning_compat as compat
-from dflash_lightning.blocks import anchor_seed, base_slot_weights, select_anchors
+from dflash_lightning.blocks import anchor_seed, base_slot_weights, block_labels, select_anchors, teacher_positions
 from dflash_lightning.config import PART_SETTINGS, ConfigError, DrafterConfig, check_unused_parts, upgrade_record
 from dflash_lightning.fp8 import Recipe, convert_linears, require_fp8
 from dflash_lightning.long_runs import resume
 from dflash_lightning.loss import LossSettings
 from dflash_lightning.metrics import DraftMetrics
 from dflash_lightning.model import DFlashDrafter, DraftOutput
+from dflash_lightning.opd import OPDSettings, accept_mask, greedy_drafts, opd_loss, replay, slot_kls
 from dflash_lightning.parts.base import RunSettings
 from dflash_lightning.target_model import load_target_config, load_target_io, tokenizer_ids
+from dflash_lightning.target_model.callback import TargetFeatures
 
 BATCH_KEYS = ("input_ids", "position_ids", "doc_ids", "loss_mask")
+STAGES = ("sft", "opd")
 COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # torch.compile's
 
 
@@ -100,6 +104,8 @@ class DFlashModule(LightningModule):
         max_nonfinite_in_a_row: int = 16,
         fp8: Literal["none", "head", "all"] = "none",
         fp8_recipe: Recipe = "rowwise",
+        stage: Literal["sft", "opd"] = "sft",
+        opd: OPDSettings = OPDSettings(),  # noqa: B008 (read only; jsonargparse needs a plain dataclass)
     ) -> None:
         """
         Args:
@@ -147,6 +153,12 @@ class DFlashModule(LightningModule):
             fp8_recipe: FP8 scaling of the drafter's linears (torchao's recipe names): `tensorwise`, `rowwise`,
                 `rowwise_with_gw_hp` (the weight-gradient GEMM in bf16), or `rowwise_forward_only` (both backward
                 GEMMs in bf16); the frozen head scales per tensor for `tensorwise`, else per row.
+            stage: `sft`: supervised training on the data's blocks (the objective above); `opd`: Draft-OPD, on-policy
+                refinement of the trained drafter `init_from` names (docs/opd.md): at each anchor the drafter's own
+                block, the target's distributions given the draft's tokens, greedy verification's accept mask,
+                forward KL on accepted slots and decayed reverse KL on rejected ones. Validation keeps the `sft`
+                objective, so the stages compare. Recorded in checkpoints: a resume cannot switch it.
+            opd: The `opd` stage's settings (gamma, lambda_acc, lambda_rej, replay).
 
         Anchors are drawn from a seed of each batch's place in the data stream (`batch["anchor_seed"]`, from
         `DFlashDataModule`), so a resumed run draws the same anchors as an uninterrupted one.
@@ -187,6 +199,8 @@ class DFlashModule(LightningModule):
             if value != getattr(LossSettings, name) and not now:  # set, where nothing reads it
                 raise ConfigError(f"model.{name}={value}: read only with model.{needs}, so ignored; set that, or drop "
                                   f"model.{name}")
+        self.opd_settings = opd if isinstance(opd, OPDSettings) else OPDSettings(**opd)  # a dict from a checkpoint
+        check_stage(stage, self.opd_settings, drafter, init_from)
         self.check_parts(cfg=drafter)  # each part's rules for the run's settings (the target is not needed)
         if init_from and not Path(init_from).exists():  # before any target or GPU work
             raise ConfigError(f"model.init_from: no drafter checkpoint or folder at '{init_from}'")
@@ -296,11 +310,20 @@ class DFlashModule(LightningModule):
 
     @property
     def needs_final_hidden(self) -> bool:
-        """Whether training reads the target's final hidden states: the objective distills, or a part needs them."""
-        return self.loss_settings.distills or any(p.needs_final_hidden for p in self.drafter_config.preset.parts)
+        """Whether training reads the target's final hidden states: the objective distills, a part needs them, or
+        the stage is `opd` (the teacher of every slot, and a whole target to replay)."""
+        return (self.loss_settings.distills or self.hparams.stage == "opd"
+                or any(p.needs_final_hidden for p in self.drafter_config.preset.parts))
+
+    @property
+    def replays(self) -> bool:
+        """Whether each training step runs the target on the drafts (`model.stage=opd` with `model.opd.replay`)."""
+        return self.hparams.stage == "opd" and self.opd_settings.replay
 
     def final_hidden_reason(self) -> str:
         """The setting that makes training read the target's final hidden states, named for an error line."""
+        if self.hparams.stage == "opd":
+            return "model.stage 'opd'"
         if self.loss_settings.distills:
             return f"model.objective '{self.hparams.objective}'"
         return f"model.drafter.variant '{self.drafter_config.variant}'"
@@ -344,6 +367,8 @@ class DFlashModule(LightningModule):
         trainer = compat.attached_trainer(self)
         for part in self.drafter.parts:  # what changes over the run (a curriculum), as device tensors in place
             part.set_step(trainer.global_step if trainer is not None else 0, self._total_steps)
+        if self.hparams.stage == "opd":
+            return self.opd_training_step(batch, measure, self.anchor_generator(batch, batch_idx))
         out = self.step(batch, max(self.hparams.topk) if measure else 0, self.anchor_generator(batch, batch_idx))
         self._last_loss = out.loss.detach()
         if measure:  # logging only here keeps host syncs off the other steps
@@ -357,6 +382,69 @@ class DFlashModule(LightningModule):
             host = self._log_metrics("train", values, out.loss)
             self._check_nonfinite(*host[-2:].long().tolist())
         return out.loss
+
+    def opd_training_step(self, batch: dict[str, Tensor], measure: bool, generator: torch.Generator) -> Tensor:
+        """The `opd` stage's step: its loss, logged with its parts (and the rollout's seconds) on measured steps."""
+        loss, logs = self.opd_step(batch, generator, self._replay_target() if self.replays else None, measure)
+        self._last_loss = loss.detach()
+        if measure:
+            counts = self.nonfinite_counts
+            host = self._log_metrics("train", {**logs, "skipped_steps": counts[0], "skipped_in_a_row": counts[1]},
+                                     loss)
+            self._check_nonfinite(*host[-2:].long().tolist())
+        return loss
+
+    def opd_step(self, batch: dict[str, Tensor], generator: torch.Generator | None = None,
+                 target: Any = None, timed: bool = True) -> tuple[Tensor, dict[str, Tensor]]:
+        """Draft-OPD's loss of one packed batch (docs/opd.md) and its logs: the drafter's greedy block at each anchor,
+        the target's distribution at each slot (`target`, a FeatureExtractor: replayed on the drafts; None: the
+        row's own `final_hidden`), the accept mask, the acceptance-aware loss. `timed`: the rollout's seconds are
+        exact (a GPU is synchronised for them)."""
+        if "context_features" not in batch or "final_hidden" not in batch:
+            raise RuntimeError("model.stage 'opd' needs 'context_features' and 'final_hidden' in each batch: add the "
+                               "TargetFeatures callback (a feature cache must be written with --final_hidden true)")
+        buf, drafter, hp = self.buffers_, self.drafter, self.hparams
+        buf.load(batch)
+        cfg, chunk = drafter.config, hp.head_chunk_size
+        B, layout = cfg.block_size, cfg.layout
+        anchors, valid = select_anchors(buf.loss_mask, buf.doc_ids, hp.num_anchors, generator)
+        start = time.perf_counter()
+        hidden = drafter.block_hidden(buf.features, buf.input_ids, buf.position_ids, buf.doc_ids, anchors, valid)
+        head = drafter.head_weight
+        rollout = time.perf_counter()
+        # The drafting rule: slot k's argmax is draft k (k >= 1); slot 0 is the anchor's own token.  # [A, B]
+        tokens = greedy_drafts(hidden.detach().flatten(0, 1), head, chunk).view(-1, B)
+        tokens[:, 0] = buf.input_ids[anchors]
+        if target is not None:  # state j of a replayed block predicts slot j + 1
+            states = replay(target, buf.input_ids, buf.position_ids, anchors, valid, tokens)  # [A, B, H]
+            teacher = torch.cat([states[:, :1], states[:, :-1]], 1)
+        else:  # the row's own state before each slot's label
+            teacher = buf.final_hidden[teacher_positions(anchors, B, buf.input_ids.numel(), layout)]  # [A, B, H]
+        if hidden.is_cuda and timed:  # the rollout's seconds (drafting and replay), on measured steps only
+            torch.cuda.synchronize(hidden.device)
+        rollout = time.perf_counter() - rollout
+        forward_kl, reverse_kl, target_ids = (t.view(-1, B - 1) for t in slot_kls(
+            hidden[:, 1:].flatten(0, 1), teacher[:, 1:].flatten(0, 1).detach(), head, chunk))
+        zero = forward_kl.new_zeros(forward_kl.shape[0], 1)
+        forward_kl, reverse_kl = torch.cat([zero, forward_kl], 1), torch.cat([zero, reverse_kl], 1)  # [A, B]
+        accepted = accept_mask(tokens, torch.cat([tokens[:, :1], target_ids], 1), layout)  # [A, B]
+        predicts = (torch.arange(B, device=anchors.device) >= layout.first_slot).float()
+        supervised = block_labels(buf.input_ids, buf.loss_mask, buf.doc_ids, anchors, valid, predicts, layout)[1] > 0
+        loss, logs = opd_loss(forward_kl, reverse_kl, accepted, supervised, self.opd_settings)
+        blocks = valid.sum().clamp_min(1)
+        logs |= {"opd/tau": 1 + (accepted & supervised).sum() / blocks,  # greedy verification's, on-policy
+                 "opd/rollout_s": torch.tensor(rollout, device=loss.device),  # beside device values: one copy
+                 "opd/forward_s": torch.tensor(time.perf_counter() - start, device=loss.device)}
+        return loss, logs
+
+    def _replay_target(self) -> Any:
+        """The target on this rank that replays the drafts: the TargetFeatures callback's (colocated or sharded)."""
+        trainer = compat.attached_trainer(self)
+        found = [cb for cb in (trainer.callbacks if trainer is not None else []) if isinstance(cb, TargetFeatures)]
+        if not found or found[0].extractor is None:
+            raise RuntimeError("model.opd.replay: no target runs on this rank (add the TargetFeatures callback with "
+                               "placement colocated or sharded, or set --model.opd.replay=false)")
+        return found[0].extractor
 
     def on_train_end(self) -> None:
         self._check_nonfinite()  # the steps after the last metrics read
@@ -528,6 +616,13 @@ class DFlashModule(LightningModule):
         if isinstance(checkpoint.get("drafter_config"), dict):
             checkpoint["drafter_config"] = DrafterConfig.from_dict(checkpoint["drafter_config"]).to_dict()
         path = getattr(trainer, "ckpt_path", None)
+        if saved is not None:
+            saved = {"model.stage": "sft", **saved}  # written before stages: supervised
+            if fitting and saved["model.stage"] != self.hparams.stage:
+                raise resume.ResumeError(
+                    f"cannot resume from {path}: its run trained stage {saved['model.stage']!r}, this one is "
+                    f"{self.hparams.stage!r}; a new stage starts from the last one's weights in a new run folder, "
+                    f"with --model.init_from={path}")
         resume.check_resume(saved, self.run_record(), path, fitting, self.hparams.accept_target_change)
         resume.check_weights(checkpoint, self.state_dict(), self.drafter_config.to_dict(), path)
         if fitting and saved is not None:
@@ -553,6 +648,27 @@ class DFlashModule(LightningModule):
         for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas, strict=True):
             group["lr"] = hp.lr * factor(scheduler.last_epoch)  # what LambdaLR computes, with this run's lr
         compat.set_last_lr(scheduler, [group["lr"] for group in optimizer.param_groups])
+
+
+def check_stage(stage: str, opd: OPDSettings, drafter: DrafterConfig, init_from: str | None) -> None:
+    """Refuse, before any target or GPU work, a stage and its settings that cannot train together: `opd` settings
+    without the stage, the stage without a trained drafter, or a variant whose parts cannot be trained on-policy
+    (`Part.opd_refusal`, which says why)."""
+    if stage not in STAGES:
+        raise ConfigError(f"model.stage must be one of {STAGES}, got {stage!r}")
+    opd.check()
+    if stage != "opd":
+        if opd != OPDSettings():
+            raise ConfigError(f"model.opd: read only with model.stage=opd (the stage is {stage!r}), so ignored; set "
+                              "--model.stage=opd, or drop model.opd")
+        return
+    if not init_from:
+        raise ConfigError("model.stage=opd refines a trained drafter: name it with model.init_from (a .ckpt or "
+                          "exported folder of the supervised stage)")
+    for part in drafter.preset.parts:
+        if part.opd_refusal:
+            raise ConfigError(f"model.stage=opd: variant {drafter.variant!r} is not trained on-policy here: its "
+                              f"{part.name} part {part.opd_refusal} (docs/opd.md)")
 
 
 def warm_start(drafter: DFlashDrafter, path: str) -> None:

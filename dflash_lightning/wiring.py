@@ -53,6 +53,16 @@ def _pairs(module: Any, data: Any, target: Any) -> list[tuple[str, Any, str, Any
 def check_wiring(module: Any, data: Any = None, target: Any = None) -> None:
     """Raise ConfigError naming the first shared value on which a DFlashDataModule or TargetFeatures disagrees with
     the DFlashModule (or with each other)."""
+    if getattr(module, "replays", False):  # Draft-OPD's replay runs the target in this process, on every step
+        cache = data.hparams.get("feature_cache") if data is not None else None
+        cache = cache or (target.feature_cache if target is not None else None)
+        if cache:
+            raise ConfigError(f"model.opd.replay: data.feature_cache {cache} serves stored features and no target runs "
+                              "to replay the drafts on; drop the cache, or set --model.opd.replay=false")
+        if target is not None and target.placement not in ("colocated", "sharded"):
+            raise ConfigError(f"model.opd.replay: target.placement {target.placement!r} runs the target away from the "
+                              "trainer; replay needs it on the trainer's devices (colocated or sharded), or set "
+                              "--model.opd.replay=false")
     for field, value, source, expected, paths in _pairs(module, data, target):
         if not (_same_path(value, expected) if paths else value == expected):
             raise ConfigError(f"{field} {value!r} differs from {source} {expected!r}: give both the same value "

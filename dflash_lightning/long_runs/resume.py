@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import asdict, is_dataclass
 from typing import Any
 
 from dflash_lightning import lightning_compat as compat
@@ -51,7 +52,13 @@ def run_record(module: Any) -> dict[str, Any]:
     hp = module.hparams
     record: dict[str, Any] = {f"drafter.{k}": v for k, v in module.drafter_config.flat_dict().items()}
     # every hyper-parameter but the drafter's (resolved, above) and LightningCLI's `_instantiator`
-    record |= {f"model.{k}": v for k, v in hp.items() if k != "drafter" and not k.startswith("_")}
+    for key, value in hp.items():
+        if key == "drafter" or key.startswith("_"):
+            continue
+        if is_dataclass(value) or isinstance(value, dict):  # a settings group (model.opd): one field each, named
+            record |= {f"model.{key}.{k}": v for k, v in (asdict(value) if is_dataclass(value) else value).items()}
+        else:
+            record[f"model.{key}"] = value
     record["target.path"] = str(hp.target)
     record |= {f"target.{k}": v for k, v in target_fingerprint(hp.target).items()}
     trainer = compat.attached_trainer(module)

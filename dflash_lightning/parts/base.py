@@ -343,6 +343,9 @@ class Part(nn.Module):
     """Whether training reads the target's final hidden states (`TrainInputs.final_hidden`)."""
     decodes: ClassVar[bool] = False
     """Whether the part replaces each slot's argmax by its own drafting rule (`draft`); one such part a preset."""
+    opd_refusal: ClassVar[str | None] = None
+    """Why the Draft-OPD stage (`model.stage=opd`, opd.py) cannot train a drafter with this part, completing "its
+    <name> part ..."; None: it can (the stage drafts each slot's argmax and trains each slot's unary distribution)."""
     samples: ClassVar[bool] = True
     """Whether its drafting rule samples above temperature 0 (a `Draft.q`); False: point masses at every temperature
     (Domino: no engine samples its drafts), verified as docs/method.md 6b says."""

@@ -413,6 +413,8 @@ class DominoCorrection(Part):
     # fp8_exempt stays false: the projector's weights are only ever read by hand (F.linear on `.weight`), never
     # through its modules' forward, so an FP8 training linear in their place computes nothing differently.
     decodes = True
+    opd_refusal = ("drafts from logits corrected by a GRU over the tokens drafted so far: the stage would have to "
+                   "roll that chain out and train it on the draft's own tokens, which is not built")
     samples = False  # SGLang drafts greedily at every temperature
     head_rows = 1
     top_k = 1  # f's argmax, for the per-slot hits

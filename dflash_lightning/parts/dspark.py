@@ -129,6 +129,9 @@ class DSparkHeads(Part):
     # their modules' forward, so an FP8 training linear in their place computes nothing differently.
     needs_final_hidden = True
     decodes = True
+    opd_refusal = ("drafts slot k from logits that read the token drafted at slot k-1 (the Markov head): the "
+                   "stage would have to roll that chain out and train it on the draft's own tokens, which is not "
+                   "built")
     head_rows = 1
 
     def __init__(self, config: Any) -> None:

@@ -277,6 +277,8 @@ class LiLiCorrReranker(Part):
     weight_prefix = "lilicorr"
     needs_final_hidden = True  # L_pen reads the target's logits at the candidates
     decodes = True
+    opd_refusal = ("drafts by a walk over each slot's top-K lattice without the unary prior: its draft "
+                   "distribution is 0 outside the K candidates, where the forward KL to the target is infinite")
     head_rows = 4  # candidate ids, their logits, the row's logsumexp, softmax(logits) @ head
     fp8_exempt = True  # the lattice (13% of the drafter's FLOPs) stays bf16 under model.fp8=all: FP8 unmeasured
 

@@ -62,6 +62,8 @@ class CandidateSelector(Part):
     config_fields: ClassVar[dict[str, str]] = {"selector_rank": "rank", "selector_top_k": "top_k"}
     weight_prefix = "candidate_selector"
     decodes = True
+    opd_refusal = ("drafts by a K-way choice among the unary top K: its draft distribution is 0 outside those K "
+                   "tokens, where the forward KL to the target is infinite")
     head_rows = 1
     fp8_exempt = True  # the loss reads hidden_projection's weight by hand
 

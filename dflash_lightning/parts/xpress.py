@@ -608,6 +608,8 @@ class XPress(Part):
     fp8_exempt = True  # a small refiner (rank r) whose weights the loss reads by hand
     needs_final_hidden = True  # P_k = softmax(head(h_final[p + k - 1])): every term distils (section 4c)
     decodes = True
+    opd_refusal = ("drafts from Jacobi passes of a refiner that reads the previous pass's drafts: the stage would "
+                   "have to train the last pass on the draft's own tokens, which is not built")
     head_rows = 1
 
     def __init__(self, config: Any) -> None:

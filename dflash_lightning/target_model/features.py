@@ -122,18 +122,27 @@ class FeatureExtractor(nn.Module):
         """Context features of a packed row `[T]`.  # [T, K*H]"""
         return self.extract(input_ids, position_ids)["context_features"]
 
+    @property
+    def dense_mask(self) -> bool | None:
+        """The attention mask this target takes: dense `[1, 1, T, T]` (SDPA) or a BlockMask (flex attention); None:
+        neither, transformers builds its own causal mask."""
+        implementation = getattr(self.model.config, "_attn_implementation", None)
+        if implementation in (PACKED_FLEX, "flex_attention"):
+            return False
+        return True if implementation == "sdpa" else None
+
     @torch.no_grad()
-    def extract(self, input_ids: Tensor, position_ids: Tensor) -> dict[str, Tensor]:
-        """The batch fields of a packed row `[T]` (per-document causal attention): `context_features [T, K*H]`,
-        and `final_hidden [T, H]` (the final norm's output) if this extractor makes it."""
+    def extract(self, input_ids: Tensor, position_ids: Tensor, mask: Tensor | BlockMask | None = None
+                ) -> dict[str, Tensor]:
+        """The batch fields of a packed row `[T]` (per-document causal attention, or `mask` of the kind
+        `dense_mask` names): `context_features [T, K*H]`, and `final_hidden [T, H]` (the final norm's output) if
+        this extractor makes it."""
         # Positions restarting at 0 mark document starts. The per-document causal mask is built here, on the
         # device; left to transformers, finding the documents costs a host sync per forward.
         self._captured.clear()
-        mask = None
-        implementation = getattr(self.model.config, "_attn_implementation", None)
-        if implementation in (PACKED_FLEX, "flex_attention"):
+        if mask is None and self.dense_mask is False:
             mask = packed_causal_block_mask(position_ids)  # tiles only: no [T, T] tensor
-        elif implementation == "sdpa":
+        elif mask is None and self.dense_mask:
             mask = packed_causal_mask(position_ids)[None, None]  # [1, 1, T, T], True = attend
         self.model(input_ids=input_ids[None], position_ids=position_ids[None], attention_mask=mask, use_cache=False)
         if hasattr(self.model, "reshard"):  # a sharded target: free the gathered root weights too
@@ -144,6 +153,11 @@ class FeatureExtractor(nn.Module):
         self._captured.clear()
         return out
 
+    def final_states(self, input_ids: Tensor, position_ids: Tensor, mask: Tensor | BlockMask) -> Tensor:
+        """The final normed hidden states of a sequence `[N]` under `mask` (Draft-OPD's replay, opd.py).  # [N, H]"""
+        if not self.final_hidden:
+            raise ValueError("final_states needs the whole target with its final norm (built with final_hidden)")
+        return self.extract(input_ids, position_ids, mask)["final_hidden"]
 
 
 def packed_documents(position_ids: Tensor) -> Tensor:
