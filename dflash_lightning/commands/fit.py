@@ -115,7 +115,10 @@ class DFlashCLI(TypedSettingsCLI):
 
     def _resumed_checkpoint(self) -> Path | None:
         """The checkpoint this command would resume: `--ckpt_path`, else (fit, unless --preemption.resume=never) the
-        newest complete one of the config's checkpoint folder, as `fit` picks it."""
+        newest complete one of the config's checkpoint folder, as `fit` picks it. None without a subcommand
+        (`run=False`: nothing resumes)."""
+        if not self.subcommand:
+            return None
         config = self.config[self.subcommand]
         path = config.get("ckpt_path")
         if path not in (None, "last"):
