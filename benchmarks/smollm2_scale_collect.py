@@ -57,7 +57,9 @@ def run(folder: Path, token_budget: int) -> dict[str, Any]:
     """One fit's command, time, curves (with training tokens) and served reports."""
     logs = next(iter(sorted(folder.glob("runs/*"))), folder)
     curves = part_curves(logs)
-    served = curves.get("val/tau_served", [])
+    # Lightning's CSV rows repeat an epoch-level value until the next one: each evaluation once, at its first row
+    served = [(s, v) for i, (s, v) in enumerate(curves.get("val/tau_served", []))
+              if i == 0 or v != curves["val/tau_served"][i - 1][1]]
     time = json.loads((folder / "fit-time.json").read_text()) if (folder / "fit-time.json").exists() else {}
     steps = max((s for c in curves.values() for s, _ in c), default=0)
     return {
