@@ -141,7 +141,7 @@ class DrafterConfig:
         """
         tc = target_config
         text = getattr(tc, "text_config", None) or tc  # multimodal targets keep the LM config inside
-        rope_theta, rope_scaling = _rope_settings(text)
+        rope_theta, rope_scaling = rope_settings(text)
         heads = self.num_attention_heads or text.num_attention_heads
         values = dict(
             hidden_size=self.hidden_size or text.hidden_size,
@@ -359,7 +359,7 @@ def upgrade_fields(values: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _rope_settings(text_config: Any) -> tuple[float, dict[str, Any] | None]:
+def rope_settings(text_config: Any) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, rope_scaling) from a config of either transformers 4 or 5 style."""
     params = getattr(text_config, "rope_parameters", None)
     if isinstance(params, dict) and "rope_theta" in params:
@@ -377,5 +377,5 @@ def _rope_settings(text_config: Any) -> tuple[float, dict[str, Any] | None]:
 
 __all__ = [
     "VARIANTS", "ConfigError", "DrafterConfig", "UnusedPartSettings", "check_unused_parts", "default_target_layer_ids",
-    "upgrade_fields", "upgrade_record",
+    "rope_settings", "upgrade_fields", "upgrade_record",
 ]

@@ -678,7 +678,7 @@ def warm_start(drafter: DFlashDrafter, path: str) -> None:
     Parts the drafter has and the source lacks keep their initialisation; parts the source has and the drafter
     lacks are dropped (logged) if they leave the backbone as it is (a head), else refused (convolutions).
     """
-    from dflash_lightning.export import read_drafter
+    from dflash_lightning.folder.reader import read_drafter
 
     mine = drafter.config
     cfg, state, _ = read_drafter(path, mine.num_target_layers)

@@ -146,7 +146,7 @@ def test_a_dflash_folder_warm_starts_dflash2_with_the_same_forward(tmp_path):
     """The identity convolutions make a DFlash2 drafter started from DFlash weights compute the same block states."""
     from dataclasses import replace
 
-    from dflash_lightning.export import write_folder
+    from dflash_lightning.folder.writer import write_folder
     from dflash_lightning.module import warm_start
 
     dflash = tiny_drafter(block=4, gamma=4.0)  # random weights, norms off 1
@@ -231,7 +231,7 @@ def test_selector_term_beside_distillation_and_dpace_matches_the_dense_reference
 def test_warm_start_refuses_a_selector_of_another_rank_naming_the_field(tmp_path):
     from dataclasses import replace
 
-    from dflash_lightning.export import write_folder
+    from dflash_lightning.folder.writer import write_folder
     from dflash_lightning.module import warm_start
 
     source = DFlashDrafter(dflash2_config())

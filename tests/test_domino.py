@@ -662,7 +662,8 @@ def test_export_writes_sglangs_bf16_folder_and_says_vllm_has_no_runtime(tiny_tar
     from safetensors.torch import load_file
     from transformers import Qwen3Config
 
-    from dflash_lightning.export import export, import_folder
+    from dflash_lightning.commands.export import export
+    from dflash_lightning.folder.reader import import_folder
     from dflash_lightning.hf.modeling_dflash import DFlashDraftModel
     from dflash_lightning.parts.domino import VLLM_NOTE
 
@@ -719,7 +720,7 @@ def test_the_printed_sglang_command_starts_domino_on_any_target_dtype(target_dty
     """One `--dtype` serves SGLang's target and drafter, and its Domino runtime (`validate_domino_runtime`) starts only
     with the target's embedding and head and the projector's weights in bf16: the printed command serves both so,
     whatever dtype the target's config.json names (under `auto` a float32 or float16 target is served in float16)."""
-    from dflash_lightning.export import serve_commands
+    from dflash_lightning.folder.serve import serve_commands
 
     flag = sglang_dtype_flag(serve_commands("folder", folder_config(), "target")["sglang"])
     assert sglang_served_dtype(flag, target_dtype) == "bfloat16"  # the target's embedding and head
@@ -737,7 +738,8 @@ def sglang_case(seed: int = 0) -> tuple[dict, dict]:
     block, from the folder's weights), in fp32 and in bf16 (as SGLang serves), by pool size."""
     from dataclasses import replace
 
-    from dflash_lightning.export import hf_config, serve_commands
+    from dflash_lightning.folder.codec import hf_config
+    from dflash_lightning.folder.serve import serve_commands
     from dflash_lightning.model import DFlashDrafter
     from dflash_lightning.parts.base import DraftInputs
 

@@ -289,7 +289,7 @@ LOADER_TOP_LEVEL = {"block_size", "num_target_layers", "mask_token_id", "target_
 
 @pytest.fixture(scope="module")
 def exported(target, tmp_path_factory):
-    from dflash_lightning.export import write_folder
+    from dflash_lightning.folder.writer import write_folder
 
     drafter = dspark_for(target).float()
     return drafter, write_folder(drafter.config, drafter.state_dict(), tmp_path_factory.mktemp("dspark") / "d",
@@ -323,7 +323,7 @@ def test_serve_commands(exported):
     preset's folder: tests/test_contract.py)."""
     import json
 
-    from dflash_lightning.export import serve_commands
+    from dflash_lightning.folder.serve import serve_commands
 
     drafter, folder = exported
     commands = serve_commands(folder, drafter.config, "T")
@@ -346,7 +346,7 @@ def test_import_refuses_a_folder_it_does_not_train_naming_the_field(exported, tm
     import json
     import shutil
 
-    from dflash_lightning.export import import_folder
+    from dflash_lightning.folder.reader import import_folder
 
     _, folder = exported
     copy = tmp_path / "d"
@@ -409,7 +409,7 @@ def test_vllm_dspark_heads_compute_ours(with_markov, tmp_path):
 
     from safetensors.torch import load_file
 
-    from dflash_lightning.export import write_folder
+    from dflash_lightning.folder.writer import write_folder
 
     drafter = random_dspark(seed=6, dspark_heads=DSparkSettings(markov_rank=16, confidence_with_markov=with_markov))
     drafter = drafter.float()

@@ -284,7 +284,8 @@ def test_calibrate_evaluate_and_export_end_to_end(dspark_checkpoint, tmp_path, c
 
     from dflash_lightning.commands.calibrate import main as calibrate
     from dflash_lightning.commands.evaluate import main as evaluate
-    from dflash_lightning.export import export, read_checkpoint
+    from dflash_lightning.commands.export import export
+    from dflash_lightning.folder.reader import read_checkpoint
 
     cal_file, eval_file = tmp_path / "cal.jsonl", tmp_path / "eval.jsonl"
     cal_file.write_text("".join(json.dumps(r) + "\n" for r in PROMPTS[:2]))

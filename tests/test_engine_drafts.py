@@ -18,10 +18,13 @@ import pytest
 import torch
 from helpers import tiny_fit_config
 
+from dflash_lightning.commands.export import export
 from dflash_lightning.config import DrafterConfig
 from dflash_lightning.decoding.evaluate import prompt_ids, read_prompts
 from dflash_lightning.decoding.speculative import DraftContext, SpeculativeDecoder
-from dflash_lightning.export import export, load_drafter, serve_commands, write_folder
+from dflash_lightning.folder.reader import load_drafter
+from dflash_lightning.folder.serve import serve_commands
+from dflash_lightning.folder.writer import write_folder
 from dflash_lightning.model import DFlashDrafter
 from dflash_lightning.parts.convolutions import ConvSettings
 from dflash_lightning.parts.selector import SelectorSettings

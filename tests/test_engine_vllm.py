@@ -261,7 +261,7 @@ def test_dflash2_is_refused_by_the_cpu_engine(engine, work):
     from transformers import AutoConfig
 
     from dflash_lightning.config import DrafterConfig
-    from dflash_lightning.export import write_folder
+    from dflash_lightning.folder.writer import write_folder
     from dflash_lightning.model import DFlashDrafter
 
     cfg = DrafterConfig(num_layers=1, block_size=16, mask_token_id=4000, variant="dflash2")  # 4000: the spare row

@@ -13,7 +13,7 @@ from dflash_lightning.commands.evaluate import main
 from dflash_lightning.config import DrafterConfig
 from dflash_lightning.decoding.evaluate import evaluate, first_mismatch, parse_temperatures, prompt_ids, summarize
 from dflash_lightning.decoding.speculative import Generation
-from dflash_lightning.export import export_checkpoint
+from dflash_lightning.folder.writer import export_checkpoint
 from dflash_lightning.model import DFlashDrafter
 
 PROMPTS = [

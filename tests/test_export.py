@@ -17,15 +17,9 @@ from transformers import AutoModel, AutoModelForCausalLM
 from dflash_lightning.commands.export import main
 from dflash_lightning.config import ConfigError, DrafterConfig
 from dflash_lightning.decoding.speculative import SpeculativeDecoder, target_generate
-from dflash_lightning.export import (
-    build_drafter,
-    export_checkpoint,
-    import_folder,
-    load_drafter,
-    print_serve_commands,
-    write_config,
-    write_folder,
-)
+from dflash_lightning.folder.reader import build_drafter, import_folder, load_drafter
+from dflash_lightning.folder.serve import print_serve_commands
+from dflash_lightning.folder.writer import export_checkpoint, write_config, write_folder
 from dflash_lightning.model import DFlashDrafter
 from dflash_lightning.parts.convolutions import ConvSettings
 from dflash_lightning.parts.selector import SelectorSettings

@@ -19,7 +19,9 @@ from test_export import (
 )
 
 from dflash_lightning.config import ConfigError
-from dflash_lightning.export import import_folder, serve_commands, write_folder
+from dflash_lightning.folder.reader import import_folder
+from dflash_lightning.folder.serve import serve_commands
+from dflash_lightning.folder.writer import write_folder
 
 # What each loader reads to build a DFlash2 drafter, read from (not copied out of) its source:
 #  - vLLM 0.33.0 vllm/model_executor/models/registry.py: "DFlash2DraftModel" -> qwen3_dflash2.DFlash2Qwen3ForCausalLM;

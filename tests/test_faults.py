@@ -25,7 +25,8 @@ from lightning.pytorch import Callback
 from test_cli import CONFIGS, write_conversations
 
 from dflash_lightning.cli import cli_main
-from dflash_lightning.export import ExportError, export_checkpoint, read_drafter
+from dflash_lightning.folder.reader import read_drafter
+from dflash_lightning.folder.writer import ExportError, export_checkpoint
 from dflash_lightning.long_runs.checkpointing import (
     AtomicCheckpointIO,
     CheckpointError,
@@ -763,7 +764,7 @@ def half_written_save(real):
 def test_export_failing_midway_leaves_the_existing_folder_as_it_was(good_checkpoints, tmp_path, monkeypatch, fault):
     import safetensors.torch
 
-    import dflash_lightning.export as export_module
+    import dflash_lightning.folder.writer as export_module
 
     out = export_checkpoint(good_checkpoints / "checkpoints" / "step=2.ckpt", tmp_path / "hf")
     (out / "README.md").write_text("the user's model card\n")

@@ -45,7 +45,7 @@ def preset_folders(out: Path) -> dict[str, dict[str, str]]:
     """Every preset's folder for the tiny default target, in each dtype: their files' digests by `variant/dtype`."""
     from test_contract import tiny_config
 
-    from dflash_lightning.export import write_folder
+    from dflash_lightning.folder.writer import write_folder
     from dflash_lightning.model import DFlashDrafter
     from dflash_lightning.parts.presets import PRESETS
     from dflash_lightning.target_model import load_target_config, tokenizer_ids
@@ -75,7 +75,7 @@ def test_a_checkpoint_written_by_an_older_tree_resumes_and_exports(tmp_path, mon
     """tests/data/legacy's checkpoint (written at e822d71) exports to the folder it exported then, and resumes for a
     third step with its settings accepted."""
     from dflash_lightning.cli import cli_main
-    from dflash_lightning.export import export_checkpoint
+    from dflash_lightning.folder.writer import export_checkpoint
     from dflash_lightning.long_runs.checkpointing import load_checkpoint
 
     recorded = json.loads((LEGACY / "export_digests.json").read_text())
@@ -94,7 +94,7 @@ if __name__ == "__main__":  # rewrite the recorded digests (after a deliberate c
     import tempfile
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from dflash_lightning.export import export_checkpoint
+    from dflash_lightning.folder.writer import export_checkpoint
 
     with tempfile.TemporaryDirectory() as tmp:
         DIGESTS.write_text(json.dumps(preset_folders(Path(tmp)), indent=1, sort_keys=True) + "\n")

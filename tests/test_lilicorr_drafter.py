@@ -15,7 +15,8 @@ from test_speculative import random_drafter, random_prompts, target  # noqa: F40
 from dflash_lightning.blocks import slot_weights
 from dflash_lightning.config import ConfigError, DrafterConfig
 from dflash_lightning.decoding.speculative import SpeculativeDecoder
-from dflash_lightning.export import import_folder, write_folder
+from dflash_lightning.folder.reader import import_folder
+from dflash_lightning.folder.writer import write_folder
 from dflash_lightning.model import DFlashDrafter
 from dflash_lightning.parts.convolutions import ConvSettings
 from dflash_lightning.parts.lilicorr import GEOMETRY, LiLiCorrSettings, greedy_walk
@@ -137,7 +138,7 @@ def test_lilicorr_trains_through_the_module_and_logs_its_metrics(lilicorr_run):
 
 
 def test_a_lilicorr_checkpoint_exports_and_imports(lilicorr_run, tmp_path):
-    from dflash_lightning.export import export_checkpoint
+    from dflash_lightning.folder.writer import export_checkpoint
 
     _, root = lilicorr_run
     ckpt = root / "runs" / "checkpoints" / "last.ckpt"

@@ -13,7 +13,8 @@ from test_resume import fit, resume_config, step3  # noqa: F401 (fixtures)
 
 import dflash_lightning
 from dflash_lightning.config import LEGACY_FIELDS, LEGACY_RECORD, ConfigError, DrafterConfig
-from dflash_lightning.export import export_checkpoint, read_checkpoint
+from dflash_lightning.folder.reader import read_checkpoint
+from dflash_lightning.folder.writer import export_checkpoint
 from dflash_lightning.long_runs.resume import RECORD_KEY
 from dflash_lightning.parts.presets import ALL_PARTS, PRESETS, preset
 

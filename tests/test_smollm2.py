@@ -59,7 +59,7 @@ def test_a_few_steps_export_and_evaluate_on_the_real_target(target, tmp_path):
     """configs/smollm2-135m.yaml shrunk to 3 steps of 256 tokens: it trains with a special token as MASK (the
     embedding has no spare row), exports a folder, and serves two prompts losslessly."""
     from dflash_lightning.commands.evaluate import main as evaluate
-    from dflash_lightning.export import export_checkpoint
+    from dflash_lightning.folder.writer import export_checkpoint
 
     config = yaml.safe_load((ROOT / "configs/smollm2-135m.yaml").read_text())
     config["trainer"].update(max_steps=3, val_check_interval=None, limit_val_batches=0, default_root_dir=str(tmp_path),

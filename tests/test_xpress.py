@@ -525,7 +525,7 @@ def test_import_folder_reads_speculators_own_xpress_folder(tiny_target, tmp_path
     from safetensors.torch import save_file
 
     from dflash_lightning.config import DrafterConfig
-    from dflash_lightning.export import import_folder
+    from dflash_lightning.folder.reader import import_folder
     from dflash_lightning.model import DFlashDrafter
     from dflash_lightning.module import warm_start
     from dflash_lightning.target_model import load_target_config, tokenizer_ids
@@ -574,7 +574,7 @@ def test_warm_start_from_an_xpress_drafter_of_another_shape_is_refused_naming_th
     from dataclasses import replace
 
     from dflash_lightning.config import DrafterConfig
-    from dflash_lightning.export import write_folder
+    from dflash_lightning.folder.writer import write_folder
     from dflash_lightning.model import DFlashDrafter
     from dflash_lightning.module import warm_start
     from dflash_lightning.target_model import load_target_config, tokenizer_ids
@@ -610,7 +610,7 @@ def test_engines_xpress_refiner_computes_ours(tmp_path):
     from safetensors.torch import load_file
 
     from dflash_lightning.config import DrafterConfig
-    from dflash_lightning.export import write_folder
+    from dflash_lightning.folder.writer import write_folder
     from dflash_lightning.model import DFlashDrafter
     from dflash_lightning.parts.base import DraftInputs
 

@@ -31,7 +31,7 @@ def load_served(drafter: str, target: str | None, device: str, dtype: str) -> tu
     tokenizer; the target's name; the device) of a `.ckpt` or exported folder."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dflash_lightning.export import build_drafter, read_drafter
+    from dflash_lightning.folder.reader import build_drafter, read_drafter
     from dflash_lightning.target_model import DTYPES, load_target_config, resolve_model_dir
 
     if device == "auto":

@@ -8,7 +8,6 @@ never for its name.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from dflash_lightning.blocks import FILL_IN, BlockLayout
 from dflash_lightning.errors import ConfigError
@@ -82,27 +81,4 @@ def preset(variant: str) -> Preset:
     return PRESETS[variant]
 
 
-def variant_of_folder(architectures: Any, dflash: dict[str, Any], source: str) -> str:
-    """The variant of a drafter folder's config.json: the preset of its architecture whose parts' dflash_config
-    fields it holds (the engines build the parts from those fields and the architecture)."""
-    known = list(dict.fromkeys(p.architecture for p in PRESETS.values()))
-    architectures = architectures or [PRESETS[DEFAULT_VARIANT].architecture]
-    if not isinstance(architectures, list) or len(architectures) != 1 or architectures[0] not in known:
-        raise ConfigError(f"{source}: architectures {architectures} is not one of {[[name] for name in known]}")
-    name = architectures[0]
-    present = [part for part in ALL_PARTS if part.present_fields(dflash)]  # in the table's order: messages repeat
-    candidates = {v: p for v, p in PRESETS.items() if p.architecture == name}
-    for variant, p in candidates.items():
-        if set(p.parts) == set(present) or (set(present) <= set(p.parts) and len(candidates) == 1):
-            missing = [f"dflash_config.{k}" for part in p.parts for k in part.config_fields
-                       if dflash.get(k) is None and k not in part.folder_defaults]
-            if missing:
-                raise ConfigError(f"{source}: a {name} lacks {', '.join(missing)}")
-            return variant
-    extra = [f"dflash_config.{k}" for part in ALL_PARTS if part in present for k in part.present_fields(dflash)]
-    allowed = " or ".join(sorted({", ".join(part.name for part in p.parts) or "none" for p in candidates.values()}))
-    raise ConfigError(f"{source}: a {name} has field(s) {', '.join(extra)} of parts it does not have (its parts: "
-                      f"{allowed}); set architectures to the variant that has them, or remove them")
-
-
-__all__ = ["ALL_PARTS", "DEFAULT_VARIANT", "PRESETS", "Preset", "preset", "variant_of_folder"]
+__all__ = ["ALL_PARTS", "DEFAULT_VARIANT", "PRESETS", "Preset", "preset"]
