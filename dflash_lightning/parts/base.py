@@ -341,6 +341,14 @@ class Part(nn.Module):
     hand (`head_params`)."""
     needs_final_hidden: ClassVar[bool] = False
     """Whether training reads the target's final hidden states (`TrainInputs.final_hidden`)."""
+    own_loss: ClassVar[str | None] = None
+    """Where the part's training term is the whole loss (its section's: the CE objective over decay weights, no
+    distillation beside it, no D-PACE), what a refusal says of it ("XPress (model.drafter.xpress) trains with
+    section 14's loss"); `check_run` then refuses other run settings. None: any objective and weights."""
+    alone_in_loop: ClassVar[str | None] = None
+    """Why no other part may work in the head loop beside this one (DSpark: its `head_chunk` takes the loop's
+    finished gradient to its weights); a part that corrects the logits is alone without saying so. Refused where
+    the preset is made (`Preset`). None: it shares the loop."""
     decodes: ClassVar[bool] = False
     """Whether the part replaces each slot's argmax by its own drafting rule (`draft`); one such part a preset."""
     opd_refusal: ClassVar[str | None] = None
@@ -370,7 +378,9 @@ class Part(nn.Module):
     def check_run(cls, settings: Any, run: RunSettings) -> None:
         """Refuse, in one ConfigError line naming the field, run settings the part cannot train with (its own are
         checked by `settings.check`). Called when the module is built (`run.total_steps` None) and again when
-        fitting starts, with the Trainer's total. Nothing by default."""
+        fitting starts, with the Trainer's total. By default: the `own_loss` rule."""
+        if cls.own_loss is not None:
+            run.require_own_loss(cls.own_loss)
 
     # --- parameters and weight names
     @classmethod
@@ -551,10 +561,37 @@ class Part(nn.Module):
         return cls.settings_type(**values)
 
 
+def overrides(part: type[Part], hook: str) -> bool:
+    """Whether a part overrides one of `Part`'s hooks (`hook` its name): what the presets and the stages read of
+    a part's training term and serving without building it."""
+    return next(cls for cls in part.__mro__ if hook in vars(cls)) is not Part
+
+
 def calibrates(part: type[Part]) -> bool:
     """Whether a part fits a calibration (overrides `Part.calibrate`)."""
-    return part.calibrate.__func__ is not Part.calibrate.__func__
+    return overrides(part, "calibrate")
+
+
+def term_conflicts(parts: tuple[type[Part], ...]) -> list[str]:
+    """Why these parts' training terms and drafting rules cannot make one preset (none: they can): two drafting
+    rules, two denominators of the step's loss, or a part that works alone in the head loop beside another."""
+    named = ", ".join
+    why = []
+    if len(rules := [p.__name__ for p in parts if p.decodes]) > 1:
+        why.append(f"two parts draft (Part.decodes): {named(rules)}")
+    if len(own := [p.__name__ for p in parts if overrides(p, "loss_denominator")]) > 1:
+        why.append(f"two parts set the loss's denominator (Part.loss_denominator): {named(own)}")
+    in_loop = [p for p in parts if overrides(p, "head_inputs")]
+    corrects = "corrects the logits, which the loop turns into their gradients in place: no other part may read them"
+    for part in in_loop:
+        alone = part.alone_in_loop or (corrects if overrides(part, "logit_correction") else None)
+        if alone and len(in_loop) > 1:
+            others = named(p.__name__ for p in in_loop if p is not part)
+            why.append(f"{part.__name__} cannot share the head loop with {others}: it {alone}")
+            break
+    return why
 
 
 __all__ = ["Calibration", "ChunkResult", "Correction", "Draft", "DraftInputs", "HeadChunk", "HeadOutput", "Part",
-           "PartOutput", "RunSettings", "ServedSettings", "TrainInputs", "VerifyCost", "calibrates"]
+           "PartOutput", "RunSettings", "ServedSettings", "TrainInputs", "VerifyCost", "calibrates", "overrides",
+           "term_conflicts"]
