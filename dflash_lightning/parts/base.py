@@ -308,12 +308,60 @@ class RunSettings:
                               f"{' and '.join(f'model.{n}={w}' for n, _, w in wrong)}")
 
 
-class TrainingTerm:
-    """A part's training term: the run settings it accepts, its work inside the chunked head loop and after it, and
-    its metrics (docs/parts.md, "Inside the chunked head loop"). Read by the module, the drafter's forward and
-    loss.py, and by `Preset` (which terms can share a preset: `term_conflicts`)."""
+class Part(nn.Module):
+    """A part of a drafter (see the module docstring): its settings, parameters and weight names, then its four
+    facets, one section each (training term, drafting rule, folder fields, serving: docs/parts.md says why they are
+    sections of one class). Subclasses set the class variables and override the hooks they need."""
 
+    # --- what it is: its settings, its parameters and their weight names
     name: ClassVar[str]
+    """The `DrafterConfig` field holding this part's settings (`model.drafter.<name>.*`)."""
+    settings_type: ClassVar[type]
+    """The part's settings dataclass."""
+    legacy_fields: ClassVar[dict[str, str]] = {}
+    """Flat DrafterConfig fields of checkpoints written before parts had their own settings -> the settings field
+    now (`config.upgrade_fields`)."""
+    legacy_record: ClassVar[dict[str, str]] = {}
+    """Other run-record keys of older checkpoints -> the settings field now (`config.upgrade_record`)."""
+    weight_prefix: ClassVar[str | None] = None
+    """Where the part sits in the drafter (`drafter.<weight_prefix>`, its weights `<weight_prefix>.*`); None: the
+    part places its modules itself (`attach`) and names them in `owns`."""
+    changes_backbone: ClassVar[bool] = False
+    """Whether the part changes the backbone's hidden states (block convolutions): a drafter trained with it is
+    never warm-started without it."""
+    layout: ClassVar[BlockLayout | None] = None
+    """The block layout the part needs (DSpark: anchor-first); None: any, the preset's is section 3's unless
+    another of its parts names one (`Preset.layout`; two parts naming different layouts cannot share a preset)."""
+
+    def __init__(self, config: Any) -> None:
+        """`config` is the resolved DrafterConfig; the part's settings are `getattr(config, self.name)`."""
+        super().__init__()
+        self.settings = getattr(config, self.name)
+
+    @classmethod
+    def layer_modules(cls, config: Any) -> dict[str, tuple[str, nn.Module]]:
+        """Modules the part adds to every decoder layer, built while the layer is (so the random stream is drawn in
+        module order): sublayer (`attention` or `mlp`) -> (attribute name, module); the layer calls
+        `module(x, sublayer)` in place of `sublayer(x)` on its normed block tokens. None by default."""
+        return {}
+
+    def attach(self, drafter: nn.Module) -> None:
+        """Place the part in the drafter once the backbone is built (after `norm`), where its weight names say
+        (default: `drafter.<weight_prefix>`); a part with `layer_modules` finds them in `drafter.layers`."""
+        if self.weight_prefix is None:
+            raise NotImplementedError(f"{type(self).__name__}: set weight_prefix or override attach")
+        drafter.add_module(self.weight_prefix, self)
+
+    def reset_parameters(self) -> None:
+        """The part's initialisation (called after the backbone's, so a part's own init wins)."""
+
+    @classmethod
+    def owns(cls, key: str) -> bool:
+        """Whether a weight name of a drafter's state dict is this part's."""
+        return cls.weight_prefix is not None and key.startswith(cls.weight_prefix + ".")
+
+    # --- the training term: the run settings it accepts, its work inside the chunked head loop and after it, its
+    # metrics (the module, the drafter's forward, loss.py; `Preset` refuses terms that cannot share a preset)
     needs_final_hidden: ClassVar[bool] = False
     """Whether training reads the target's final hidden states (`TrainInputs.final_hidden`)."""
     own_loss: ClassVar[str | None] = None
@@ -413,11 +461,7 @@ class TrainingTerm:
         """The prefix of the names the part logs: `metric_prefix`, else its `name`."""
         return cls.metric_prefix or cls.name
 
-
-class DraftingRule:
-    """A part's drafting rule, in place of each slot's argmax: read by the decoders (`SpeculativeDecoder`,
-    `BatchedDecoder`), `evaluate` and the OPD stage."""
-
+    # --- the drafting rule, in place of each slot's argmax (the decoders, `evaluate`, the OPD stage)
     decodes: ClassVar[bool] = False
     """Whether the part replaces each slot's argmax by its own drafting rule (`draft`); one such part a preset."""
     samples: ClassVar[bool] = True
@@ -429,12 +473,7 @@ class DraftingRule:
         docs/method.md 6b and 10) and the part's extras. Only for parts with `decodes = True`."""
         raise NotImplementedError
 
-
-class FolderFields:
-    """A part's fields of the folder's config.json: what export writes, import reads, and which folders of other
-    trainers it converts (export.py, `presets.variant_of_folder`, `config.upgrade_fields`)."""
-
-    settings_type: ClassVar[type]
+    # --- the folder's fields: what export writes and import reads, and other trainers' folders it converts
     config_fields: ClassVar[dict[str, str]] = {}
     """dflash_config key -> settings field, in the order export writes them; the other settings fields are
     training choices (loss weights) a folder does not carry."""
@@ -487,12 +526,8 @@ class FolderFields:
         `num_target_layers` is the target's layer count where the caller knows it (such a folder may not say it)."""
         return None
 
-
-class Serving:
-    """What the engines need of a part beyond its folder (serve commands, notes) and what `evaluate` and
-    `calibrate` make of its served records."""
-
-    name: ClassVar[str]
+    # --- serving: what the engines are told beyond the folder, and what `evaluate` and `calibrate` make of the
+    # served records
 
     @classmethod
     def speculative_config(cls, settings: Any) -> dict[str, Any]:
@@ -532,62 +567,10 @@ class Serving:
         raise ConfigError(f"{source}: {cls.__name__} has no calibration to fold")
 
 
-class Part(TrainingTerm, DraftingRule, FolderFields, Serving, nn.Module):
-    """A part of a drafter (see the module docstring): its parameters and weight names, and its four facets, each a
-    class above (training term, drafting rule, folder fields, serving). Subclasses set the class variables and
-    override the hooks they need."""
-
-    name: ClassVar[str]
-    """The `DrafterConfig` field holding this part's settings (`model.drafter.<name>.*`)."""
-    settings_type: ClassVar[type]
-    """The part's settings dataclass."""
-    legacy_fields: ClassVar[dict[str, str]] = {}
-    """Flat DrafterConfig fields of checkpoints written before parts had their own settings -> the settings field
-    now (`config.upgrade_fields`)."""
-    legacy_record: ClassVar[dict[str, str]] = {}
-    """Other run-record keys of older checkpoints -> the settings field now (`config.upgrade_record`)."""
-    weight_prefix: ClassVar[str | None] = None
-    """Where the part sits in the drafter (`drafter.<weight_prefix>`, its weights `<weight_prefix>.*`); None: the
-    part places its modules itself (`attach`) and names them in `owns`."""
-    changes_backbone: ClassVar[bool] = False
-    """Whether the part changes the backbone's hidden states (block convolutions): a drafter trained with it is
-    never warm-started without it."""
-    layout: ClassVar[BlockLayout | None] = None
-    """The block layout the part needs (DSpark: anchor-first); None: any, the preset's is section 3's unless
-    another of its parts names one (`Preset.layout`; two parts naming different layouts cannot share a preset)."""
-
-    def __init__(self, config: Any) -> None:
-        """`config` is the resolved DrafterConfig; the part's settings are `getattr(config, self.name)`."""
-        super().__init__()
-        self.settings = getattr(config, self.name)
-
-    @classmethod
-    def layer_modules(cls, config: Any) -> dict[str, tuple[str, nn.Module]]:
-        """Modules the part adds to every decoder layer, built while the layer is (so the random stream is drawn in
-        module order): sublayer (`attention` or `mlp`) -> (attribute name, module); the layer calls
-        `module(x, sublayer)` in place of `sublayer(x)` on its normed block tokens. None by default."""
-        return {}
-
-    def attach(self, drafter: nn.Module) -> None:
-        """Place the part in the drafter once the backbone is built (after `norm`), where its weight names say
-        (default: `drafter.<weight_prefix>`); a part with `layer_modules` finds them in `drafter.layers`."""
-        if self.weight_prefix is None:
-            raise NotImplementedError(f"{type(self).__name__}: set weight_prefix or override attach")
-        drafter.add_module(self.weight_prefix, self)
-
-    def reset_parameters(self) -> None:
-        """The part's initialisation (called after the backbone's, so a part's own init wins)."""
-
-    @classmethod
-    def owns(cls, key: str) -> bool:
-        """Whether a weight name of a drafter's state dict is this part's."""
-        return cls.weight_prefix is not None and key.startswith(cls.weight_prefix + ".")
-
-
 def overrides(part: type[Part], hook: str) -> bool:
     """Whether a part overrides one of `Part`'s hooks (`hook` its name): what the presets and the stages read of
     a part's training term and serving without building it."""
-    return next(cls for cls in part.__mro__ if hook in vars(cls)) not in Part.__mro__  # the facets' defaults
+    return next(cls for cls in part.__mro__ if hook in vars(cls)) is not Part
 
 
 def calibrates(part: type[Part]) -> bool:

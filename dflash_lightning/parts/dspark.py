@@ -30,13 +30,11 @@ from dflash_lightning.parts.base import (
     ChunkResult,
     Draft,
     DraftInputs,
-    FolderFields,
     HeadChunk,
     HeadOutput,
     Part,
     PartOutput,
     ServedSettings,
-    Serving,
     TrainInputs,
     VerifyCost,
 )
@@ -115,142 +113,15 @@ class ConfidenceHead(nn.Module):
         return F.linear(x, self.proj.weight.float(), self.proj.bias.float())[:, 0]
 
 
-class DSparkFolder(FolderFields):
-    """DSpark's folder fields: config.json's top level (section 12), where the engines read them."""
-
-    settings_type = DSparkSettings
-    config_fields: ClassVar[dict[str, str]] = {}
-    """DSpark's fields live at config.json's top level (`top_level_fields`), where vLLM reads markov_rank."""
-
-    @classmethod
-    def top_level_fields(cls, settings: DSparkSettings, config: Any = None) -> dict[str, Any]:
-        """All written: the engines read the MASK id and layer ids here too, vLLM reads markov_rank only here and
-        builds the confidence head only with enable_confidence_head; SGLang requires markov_head_type; the
-        engines' defaults of confidence_head_with_markov disagree (vLLM false, SGLang true); and the block layout,
-        which vLLM and SGLang read as anchor-first when missing and llama.cpp as fill-in, is always stated."""
-        return {"mask_token_id": config.mask_token_id, "target_layer_ids": list(config.target_layer_ids),
-                "sample_from_anchor": True, "markov_rank": settings.markov_rank, "markov_head_type": "vanilla",
-                "enable_confidence_head": True, "confidence_head_with_markov": settings.confidence_with_markov}
-
-    @classmethod
-    def present_fields(cls, dflash: dict[str, Any]) -> list[str]:
-        return [key for key in ("markov_rank", "markov_head_type") if dflash.get(key) is not None]
-
-    @classmethod
-    def read_fields(cls, dflash: dict[str, Any], source: str) -> DSparkSettings:
-        """The heads' settings from a folder's fields (dflash_config's, else config.json's top level); a head this
-        package does not train (gated or rnn Markov heads, no confidence head) is refused by field."""
-        rank, kind = dflash.get("markov_rank"), dflash.get("markov_head_type")
-        if type(rank) is not int or rank < 1:
-            raise ConfigError(f"{source}: markov_rank must be an integer >= 1, got {rank!r}")
-        if kind != "vanilla":
-            raise ConfigError(f"{source}: markov_head_type {kind!r}: only 'vanilla' Markov heads are trained here")
-        if dflash.get("enable_confidence_head") is not True:
-            raise ConfigError(f"{source}: enable_confidence_head must be true (a DSpark drafter here has a "
-                              f"confidence head), got {dflash.get('enable_confidence_head')!r}")
-        with_markov = dflash.get("confidence_head_with_markov")
-        if type(with_markov) is not bool:
-            raise ConfigError(f"{source}: confidence_head_with_markov must be true or false (vLLM reads a missing "
-                              f"one as false, SGLang as true), got {with_markov!r}")
-        return DSparkSettings(markov_rank=rank, confidence_with_markov=with_markov)
-
-
-class DSparkServing(Serving):
-    """What the engines are told of DSpark (adaptive verification, sampling) and what `evaluate` and `calibrate`
-    make of its served confidences (docs/dspark.md)."""
-
-    name = "dspark_heads"
-
-    @classmethod
-    def served_report(cls, records: list[dict[str, Any]], settings: ServedSettings | None = None) -> dict[str, Any]:
-        """What the engines' adaptive verification makes of the served confidences (`adaptive_verification`) and
-        their calibration (`confidence_calibration`), raw and, where `settings` carry this temperature's
-        calibration, with SGLang's per-slot temperatures and with the affine map folded for vLLM; none where no
-        step recorded confidences."""
-        settings = settings or ServedSettings()
-        prompts = served_blocks(records)
-        if not any(prompts):
-            return {}
-        fit = (settings.calibration or {}).get(cls.name)
-        views = confidence_views(fit)
-        steps = [s for p in prompts for s in p]
-        engines = {"vllm": views["affine" if fit else "raw"], "sglang": views["sts" if fit else "raw"]}
-        return {"adaptive_verification": adaptive_verification(prompts, settings.cost, engines),
-                "confidence_calibration": {
-                    "survival": {name: survival_calibration(steps, view) for name, view in views.items()},
-                    "reached": served_calibration([(s.accepted, view_of(s, views["raw"])) for s in steps])}}
-
-    @classmethod
-    def calibrate(cls, records: list[dict[str, Any]], state: dict[str, Tensor]) -> Calibration:
-        """Fit, on the served blocks of one temperature, SGLang's per-slot temperatures (sequential temperature
-        scaling: T_k left to right, each minimising the survival ECE at slot k given T_<k) and an affine map
-        `c = sigmoid(scale * logit + shift)` minimising the survival's cross-entropy over every verified slot, which
-        `fold_calibration` folds into `confidence_head.proj` for vLLM (it uses the raw sigmoid)."""
-        steps = [s for p in served_blocks(records) for s in p]
-        if not steps:
-            raise ConfigError("calibrate: no served step recorded DSpark's confidences")
-        drafts = len(steps[0].logits)
-        temperatures = fit_sts(steps, drafts)
-        scale, shift = fit_affine(steps)
-        if not (math.isfinite(scale) and math.isfinite(shift)):  # every draft accepted, or none: nothing to rank
-            raise ConfigError(f"calibrate: the affine map does not converge on {len(steps)} served blocks (scale "
-                              f"{scale}, shift {shift}); serve more prompts")
-        fit = {"drafts": drafts, "sts_temperatures": temperatures, "affine": {"scale": scale, "shift": shift},
-               "head": head_fingerprint(state)}
-        views = confidence_views(fit)
-        report = {"steps": len(steps), "verified_drafts": sum(s.verified for s in steps),
-                  "survival": {name: survival_calibration(steps, view) for name, view in views.items()}}
-        per_slot = {name: [p["ece"] for p in report["survival"][name]["per_position"]] for name in ("raw", "sts")}
-        sts = {"temperatures": temperatures, "dataset": "dflash_lightning calibrate", "num_samples": len(steps)}
-        if None not in per_slot["raw"] + per_slot["sts"]:  # SGLang reads these as lists of numbers
-            sts |= {"ece_before": per_slot["raw"], "ece_after": per_slot["sts"]}
-        survival = report["survival"]
-        lines = [f"{len(steps)} served blocks: survival ECE raw {survival['raw']['ece']:.4f}, per-slot temperatures "
-                 f"{survival['sts']['ece']:.4f}, affine {survival['affine']['ece']:.4f} (AUROC raw "
-                 f"{_fmt(survival['raw']['auroc'])}, affine {_fmt(survival['affine']['auroc'])}); affine map: "
-                 f"logit * {scale:.4f} {shift:+.4f}",
-                 "SGLang: the sts file (--speculative-dspark-confidence-sts-path) is for the folder exported without "
-                 "--calibration; a folder with the affine map folded in is served calibrated by both engines as it is"]
-        return Calibration(fit, report, {"sts.json": json.dumps(sts) + "\n"}, lines)
-
-    @classmethod
-    def fold_calibration(cls, state: dict[str, Tensor], fit: dict[str, Any], source: str) -> dict[str, Tensor]:
-        """`confidence_head.proj` with the affine map folded in: weight * scale, bias * scale + shift (fp64, then
-        the weights' dtype), so vLLM's raw sigmoid gives the calibrated c; refused for a head other than the one
-        calibrated (another drafter, or a calibration already folded)."""
-        try:
-            scale, shift = float(fit["affine"]["scale"]), float(fit["affine"]["shift"])
-            head = fit["head"]
-        except (KeyError, TypeError, ValueError):
-            raise ConfigError(f"{source}: not a DSpark calibration (affine.scale, affine.shift, head)") from None
-        ours = head_fingerprint(state)
-        if any(not math.isclose(ours[k], head[k], rel_tol=2e-2, abs_tol=1e-3) for k in ours):
-            raise ConfigError(f"{source}: calibrated for a confidence head of {head}, this drafter's is {ours} "
-                              f"(another drafter, or one with a calibration already folded in): calibrate this one")
-        w, b = state["confidence_head.proj.weight"], state["confidence_head.proj.bias"]
-        return {**state, "confidence_head.proj.weight": (w.double() * scale).to(w.dtype),
-                "confidence_head.proj.bias": (b.double() * scale + shift).to(b.dtype)}
-
-    @classmethod
-    def speculative_config(cls, settings: DSparkSettings) -> dict[str, Any]:
-        """vLLM verifies the prefix the confidences make worth it (its adaptive verification, DSpark only)."""
-        return {"enable_adaptive_verification": True}
-
-    @classmethod
-    def serve_notes(cls, settings: DSparkSettings) -> list[str]:
-        """vLLM 0.32-0.34 draft argmax unless told (`draft_sample_method`, default "greedy"); `evaluate` at T > 0
-        samples DSpark's drafts from q (SGLang's DSpark runtime has a draft sampler)."""
-        return ['sampled serving: `evaluate` at temperature > 0 samples the drafts from q; vLLM drafts the argmax '
-                'unless the --speculative-config adds "draft_sample_method": "probabilistic"']
-
-
-class DSparkHeads(DSparkFolder, DSparkServing, Part):
+class DSparkHeads(Part):
     """DSpark's Markov and confidence heads, placed as the engines name them (`markov_head.*`,
     `confidence_head.*`), on section 12's anchor-first block."""
 
     name = "dspark_heads"
     settings_type = DSparkSettings
     metric_prefix = "dspark"
+    config_fields: ClassVar[dict[str, str]] = {}
+    """DSpark's fields live at config.json's top level (`top_level_fields`), where vLLM reads markov_rank."""
     weight_prefix = None
     layout = ANCHOR_FIRST
     # fp8_exempt stays false: the heads' weights are only ever read by hand (F.linear on `.weight`), never through
@@ -393,6 +264,122 @@ class DSparkHeads(DSparkFolder, DSparkServing, Part):
             picks.append(prev)
         logit = torch.cat(conf)  # [n]
         return Draft(torch.cat(picks), q, {"confidence": torch.sigmoid(logit), "confidence_logit": logit})
+
+    # --- the served report (evaluate) and the calibration (calibrate, export)
+    @classmethod
+    def served_report(cls, records: list[dict[str, Any]], settings: ServedSettings | None = None) -> dict[str, Any]:
+        """What the engines' adaptive verification makes of the served confidences (`adaptive_verification`) and
+        their calibration (`confidence_calibration`), raw and, where `settings` carry this temperature's
+        calibration, with SGLang's per-slot temperatures and with the affine map folded for vLLM; none where no
+        step recorded confidences."""
+        settings = settings or ServedSettings()
+        prompts = served_blocks(records)
+        if not any(prompts):
+            return {}
+        fit = (settings.calibration or {}).get(cls.name)
+        views = confidence_views(fit)
+        steps = [s for p in prompts for s in p]
+        engines = {"vllm": views["affine" if fit else "raw"], "sglang": views["sts" if fit else "raw"]}
+        return {"adaptive_verification": adaptive_verification(prompts, settings.cost, engines),
+                "confidence_calibration": {
+                    "survival": {name: survival_calibration(steps, view) for name, view in views.items()},
+                    "reached": served_calibration([(s.accepted, view_of(s, views["raw"])) for s in steps])}}
+
+    @classmethod
+    def calibrate(cls, records: list[dict[str, Any]], state: dict[str, Tensor]) -> Calibration:
+        """Fit, on the served blocks of one temperature, SGLang's per-slot temperatures (sequential temperature
+        scaling: T_k left to right, each minimising the survival ECE at slot k given T_<k) and an affine map
+        `c = sigmoid(scale * logit + shift)` minimising the survival's cross-entropy over every verified slot, which
+        `fold_calibration` folds into `confidence_head.proj` for vLLM (it uses the raw sigmoid)."""
+        steps = [s for p in served_blocks(records) for s in p]
+        if not steps:
+            raise ConfigError("calibrate: no served step recorded DSpark's confidences")
+        drafts = len(steps[0].logits)
+        temperatures = fit_sts(steps, drafts)
+        scale, shift = fit_affine(steps)
+        if not (math.isfinite(scale) and math.isfinite(shift)):  # every draft accepted, or none: nothing to rank
+            raise ConfigError(f"calibrate: the affine map does not converge on {len(steps)} served blocks (scale "
+                              f"{scale}, shift {shift}); serve more prompts")
+        fit = {"drafts": drafts, "sts_temperatures": temperatures, "affine": {"scale": scale, "shift": shift},
+               "head": head_fingerprint(state)}
+        views = confidence_views(fit)
+        report = {"steps": len(steps), "verified_drafts": sum(s.verified for s in steps),
+                  "survival": {name: survival_calibration(steps, view) for name, view in views.items()}}
+        per_slot = {name: [p["ece"] for p in report["survival"][name]["per_position"]] for name in ("raw", "sts")}
+        sts = {"temperatures": temperatures, "dataset": "dflash_lightning calibrate", "num_samples": len(steps)}
+        if None not in per_slot["raw"] + per_slot["sts"]:  # SGLang reads these as lists of numbers
+            sts |= {"ece_before": per_slot["raw"], "ece_after": per_slot["sts"]}
+        survival = report["survival"]
+        lines = [f"{len(steps)} served blocks: survival ECE raw {survival['raw']['ece']:.4f}, per-slot temperatures "
+                 f"{survival['sts']['ece']:.4f}, affine {survival['affine']['ece']:.4f} (AUROC raw "
+                 f"{_fmt(survival['raw']['auroc'])}, affine {_fmt(survival['affine']['auroc'])}); affine map: "
+                 f"logit * {scale:.4f} {shift:+.4f}",
+                 "SGLang: the sts file (--speculative-dspark-confidence-sts-path) is for the folder exported without "
+                 "--calibration; a folder with the affine map folded in is served calibrated by both engines as it is"]
+        return Calibration(fit, report, {"sts.json": json.dumps(sts) + "\n"}, lines)
+
+    @classmethod
+    def fold_calibration(cls, state: dict[str, Tensor], fit: dict[str, Any], source: str) -> dict[str, Tensor]:
+        """`confidence_head.proj` with the affine map folded in: weight * scale, bias * scale + shift (fp64, then
+        the weights' dtype), so vLLM's raw sigmoid gives the calibrated c; refused for a head other than the one
+        calibrated (another drafter, or a calibration already folded)."""
+        try:
+            scale, shift = float(fit["affine"]["scale"]), float(fit["affine"]["shift"])
+            head = fit["head"]
+        except (KeyError, TypeError, ValueError):
+            raise ConfigError(f"{source}: not a DSpark calibration (affine.scale, affine.shift, head)") from None
+        ours = head_fingerprint(state)
+        if any(not math.isclose(ours[k], head[k], rel_tol=2e-2, abs_tol=1e-3) for k in ours):
+            raise ConfigError(f"{source}: calibrated for a confidence head of {head}, this drafter's is {ours} "
+                              f"(another drafter, or one with a calibration already folded in): calibrate this one")
+        w, b = state["confidence_head.proj.weight"], state["confidence_head.proj.bias"]
+        return {**state, "confidence_head.proj.weight": (w.double() * scale).to(w.dtype),
+                "confidence_head.proj.bias": (b.double() * scale + shift).to(b.dtype)}
+
+    # --- export and import: config.json's top level (section 12)
+    @classmethod
+    def speculative_config(cls, settings: DSparkSettings) -> dict[str, Any]:
+        """vLLM verifies the prefix the confidences make worth it (its adaptive verification, DSpark only)."""
+        return {"enable_adaptive_verification": True}
+
+    @classmethod
+    def serve_notes(cls, settings: DSparkSettings) -> list[str]:
+        """vLLM 0.32-0.34 draft argmax unless told (`draft_sample_method`, default "greedy"); `evaluate` at T > 0
+        samples DSpark's drafts from q (SGLang's DSpark runtime has a draft sampler)."""
+        return ['sampled serving: `evaluate` at temperature > 0 samples the drafts from q; vLLM drafts the argmax '
+                'unless the --speculative-config adds "draft_sample_method": "probabilistic"']
+
+    @classmethod
+    def top_level_fields(cls, settings: DSparkSettings, config: Any = None) -> dict[str, Any]:
+        """All written: the engines read the MASK id and layer ids here too, vLLM reads markov_rank only here and
+        builds the confidence head only with enable_confidence_head; SGLang requires markov_head_type; the
+        engines' defaults of confidence_head_with_markov disagree (vLLM false, SGLang true); and the block layout,
+        which vLLM and SGLang read as anchor-first when missing and llama.cpp as fill-in, is always stated."""
+        return {"mask_token_id": config.mask_token_id, "target_layer_ids": list(config.target_layer_ids),
+                "sample_from_anchor": True, "markov_rank": settings.markov_rank, "markov_head_type": "vanilla",
+                "enable_confidence_head": True, "confidence_head_with_markov": settings.confidence_with_markov}
+
+    @classmethod
+    def present_fields(cls, dflash: dict[str, Any]) -> list[str]:
+        return [key for key in ("markov_rank", "markov_head_type") if dflash.get(key) is not None]
+
+    @classmethod
+    def read_fields(cls, dflash: dict[str, Any], source: str) -> DSparkSettings:
+        """The heads' settings from a folder's fields (dflash_config's, else config.json's top level); a head this
+        package does not train (gated or rnn Markov heads, no confidence head) is refused by field."""
+        rank, kind = dflash.get("markov_rank"), dflash.get("markov_head_type")
+        if type(rank) is not int or rank < 1:
+            raise ConfigError(f"{source}: markov_rank must be an integer >= 1, got {rank!r}")
+        if kind != "vanilla":
+            raise ConfigError(f"{source}: markov_head_type {kind!r}: only 'vanilla' Markov heads are trained here")
+        if dflash.get("enable_confidence_head") is not True:
+            raise ConfigError(f"{source}: enable_confidence_head must be true (a DSpark drafter here has a "
+                              f"confidence head), got {dflash.get('enable_confidence_head')!r}")
+        with_markov = dflash.get("confidence_head_with_markov")
+        if type(with_markov) is not bool:
+            raise ConfigError(f"{source}: confidence_head_with_markov must be true or false (vLLM reads a missing "
+                              f"one as false, SGLang as true), got {with_markov!r}")
+        return DSparkSettings(markov_rank=rank, confidence_with_markov=with_markov)
 
 
 class DSparkMetrics(Metric):
