@@ -136,3 +136,18 @@ def test_a_part_with_its_own_loss_names_only_the_settings_that_differ(part, obje
     run = RunSettings(objective=objective, loss_weights=weights, gamma=4.0, gamma_set=False, final_hidden=True)
     with pytest.raises(ConfigError, match=f"^{wrong}: .* loss: set {fix}$"):
         part.check_run(part.settings_type(), run)
+
+
+def test_the_names_table_says_each_parts_names_as_the_code_does():
+    """docs/parts.md's "One name per concept" table has one row per part: its part name (the settings'), its metric
+    prefix, its weight prefix and its folder fields as the code has them."""
+    docs = (PACKAGE.parent / "docs/parts.md").read_text()
+    table = docs.split("## One name per concept", 1)[1].split("\n\n")[2].splitlines()[2:]
+    rows = {cells[1].strip(" `"): cells for line in table if (cells := [c.strip() for c in line.split("|")[1:-1]])}
+    assert set(rows) == {part.name for part in ALL_PARTS}, "one row per part, named by its part name"
+    for part in ALL_PARTS:
+        _, _, metrics, weights, folder, _ = rows[part.name]
+        assert metrics == (f"`{part.prefix()}/`" if part.metric(4) is not None else "none"), part.name
+        assert part.weight_prefix is None or f"`{part.weight_prefix}.*`" in weights, part.name
+        for key in part.config_fields:  # LiLiCorr's eight are written `lilicorr_<field>`
+            assert key in folder or key.startswith("lilicorr_") and "`lilicorr_<field>`" in folder, (part.name, key)
