@@ -127,15 +127,17 @@ def test_help_groups_each_parts_settings_with_their_docstrings(capsys):
     ("ce+kl", "dpace", r"model.objective=ce\+kl, model.loss_weights=dpace",
      "model.objective=ce and model.loss_weights=decay"),
 ])
-@pytest.mark.parametrize("part", [p for p in ALL_PARTS if p.name in ("xpress", "domino", "dspark_heads")])
+@pytest.mark.parametrize("part", [p for p in ALL_PARTS if p.own_loss])
 def test_a_part_with_its_own_loss_names_only_the_settings_that_differ(part, objective, weights, wrong, fix):
     """XPress, Domino and DSpark train with their own loss (CE over decay weights): a run that sets another names the
     setting that differs, and only it, first, then what to set it to."""
     from dflash_lightning.parts.base import RunSettings
 
+    assert {p.name for p in ALL_PARTS if p.own_loss} == {"xpress", "domino", "dspark_heads"}
     run = RunSettings(objective=objective, loss_weights=weights, gamma=4.0, gamma_set=False, final_hidden=True)
     with pytest.raises(ConfigError, match=f"^{wrong}: .* loss: set {fix}$"):
         part.check_run(part.settings_type(), run)
+    part.check_run(part.settings_type(), RunSettings("ce", "decay", 4.0, False, True))  # its own loss: accepted
 
 
 def test_the_names_table_says_each_parts_names_as_the_code_does():

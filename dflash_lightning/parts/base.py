@@ -16,7 +16,8 @@ How a new part plugs in:
    `--help`; everything else that lists parts is derived from the presets).
 3. `parts/presets.py`: the presets that include it (parts, `architectures` name, serve commands).
 4. Override the hooks it needs; each has a do-nothing default. `check_run` refuses run settings it cannot train
-   with, when the module is built and when fitting starts. Call order in one training step:
+   with, when the module is built and when fitting starts (`own_loss` declares the common case); what parts cannot
+   do together in one preset (`term_conflicts`) is refused where the preset is made. Call order in one training step:
    `head_inputs` (before the chunked head loop) -> `logit_bias`, `logit_correction`, `head_chunk` (inside it, per
    chunk of whole blocks, with the `[rows, V]` logits that exist only there) -> `loss_denominator` and `loss` (after
    it, with what the chunks returned) ->
