@@ -358,9 +358,7 @@ class DFlashDrafter(nn.Module):
             before[:, first:].flatten() if settings.distills else None, head_t, in_loop,
         )
         weight_sum = rank_mean_weight(used).clamp_min(1e-12)
-        own = [d for part in self.parts if (d := part.loss_denominator(batch)) is not None]
-        if len(own) > 1:
-            raise ValueError("two parts set the loss's denominator (Part.loss_denominator)")
+        own = [d for part in self.parts if (d := part.loss_denominator(batch)) is not None]  # one at most (Preset)
         denominator = rank_mean_weight(own[0]).clamp_min(1e-12) if own else weight_sum
         loss = total / denominator
         heads = {id(part): HeadOutput(logged / denominator, rows)

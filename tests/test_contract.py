@@ -34,7 +34,7 @@ from dflash_lightning.folder.writer import write_folder
 from dflash_lightning.hf.modeling_dflash import __all__ as REMOTE_CLASSES
 from dflash_lightning.model import DFlashDrafter
 from dflash_lightning.module import DFlashModule, warm_start
-from dflash_lightning.parts.base import calibrates
+from dflash_lightning.parts.base import calibrates, overrides
 from dflash_lightning.parts.convolutions import ConvSettings
 from dflash_lightning.parts.domino import DominoSettings
 from dflash_lightning.parts.dspark import DSparkSettings
@@ -111,6 +111,29 @@ def test_parts_that_name_different_layouts_cannot_share_a_preset():
     other = type("Other", (named[0],), {"layout": replace(named[0].layout, last_slot_drafts=False)})
     with pytest.raises(ValueError, match="the parts of a preset name different block layouts: "):
         Preset((named[0], other), "X")
+
+
+def test_parts_whose_terms_cannot_train_together_are_refused_where_the_preset_is_made():
+    """Two drafting rules, two denominators of the step's loss, or a part that works alone in the head loop beside
+    another part in it: `Preset` refuses them in one line naming the parts, before any drafter or run exists."""
+    decoders = [type(p.__name__, (p,), {"layout": None}) for p in ALL_PARTS if p.decodes]  # layouts apart
+    for a, b in itertools.combinations(decoders, 2):
+        with pytest.raises(ValueError, match=rf"^the parts of a preset cannot train together: .*two parts draft "
+                                             rf"\(Part.decodes\): {a.__name__}, {b.__name__}"):
+            Preset((a, b), "X")
+    quiet = {"decodes": False}  # each below breaks one rule only
+    in_loop = type("InLoop", (next(p for p in ALL_PARTS if p.name == "selector"),), quiet)
+    for part in ALL_PARTS:
+        if part.alone_in_loop or overrides(part, "logit_correction"):
+            with pytest.raises(ValueError, match=f"{part.__name__} cannot share the head loop with InLoop: it "):
+                Preset((part, in_loop), "X")
+    assert {p.name for p in ALL_PARTS if p.alone_in_loop or p.name == "domino"} == {"dspark_heads", "domino"}
+    xpress = next(p for p in ALL_PARTS if p.name == "xpress")
+    counted = type("Counted", (in_loop,), {"loss_denominator": lambda self, batch: None})
+    with pytest.raises(ValueError, match=r"two parts set the loss's denominator \(Part.loss_denominator\): "
+                                         r"XPress, Counted"):
+        Preset((xpress, counted), "X")
+    Preset((in_loop, next(p for p in ALL_PARTS if p.name == "conv")), "X")  # sharing the loop and the backbone: fine
 
 
 def test_no_file_outside_parts_names_a_part():

@@ -500,14 +500,14 @@ def test_a_cache_written_for_dspark_holds_the_final_hidden_state_and_trains_it_o
 
 def test_the_heads_refuse_to_share_the_head_loop(monkeypatch):
     """The heads take the loop's finished dz to the Markov weights, so a preset with another in-loop part is refused
-    when the drafter is built (one of block convolutions and DSpark is not)."""
+    where the preset is made (one of block convolutions and DSpark is not, and builds)."""
     from dflash_lightning.parts import presets
     from dflash_lightning.parts.convolutions import BlockConvolutions, ConvSettings
-    from dflash_lightning.parts.selector import CandidateSelector, SelectorSettings
+    from dflash_lightning.parts.lilicorr import LiLiCorrReranker
 
     row = presets.PRESETS["dspark"]
-    monkeypatch.setitem(presets.PRESETS, "dspark", presets.Preset((CandidateSelector, DSparkHeads), row.architecture))
-    with pytest.raises(ValueError, match="cannot share the head loop with CandidateSelector"):
-        DFlashDrafter(dspark_config(selector=SelectorSettings(rank=4, top_k=5)))
+    lone = type("Lone", (LiLiCorrReranker,), {"decodes": False})  # only the loop's rule in play
+    with pytest.raises(ValueError, match="DSparkHeads cannot share the head loop with Lone: it takes the loop's"):
+        presets.Preset((lone, DSparkHeads), row.architecture)
     monkeypatch.setitem(presets.PRESETS, "dspark", presets.Preset((BlockConvolutions, DSparkHeads), row.architecture))
     DFlashDrafter(dspark_config(conv=ConvSettings(group_size=8)))

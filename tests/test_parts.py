@@ -128,12 +128,29 @@ def test_help_groups_each_parts_settings_with_their_docstrings(capsys):
     ("ce+kl", "dpace", r"model.objective=ce\+kl, model.loss_weights=dpace",
      "model.objective=ce and model.loss_weights=decay"),
 ])
-@pytest.mark.parametrize("part", [p for p in ALL_PARTS if p.name in ("xpress", "domino", "dspark_heads")])
+@pytest.mark.parametrize("part", [p for p in ALL_PARTS if p.own_loss])
 def test_a_part_with_its_own_loss_names_only_the_settings_that_differ(part, objective, weights, wrong, fix):
     """XPress, Domino and DSpark train with their own loss (CE over decay weights): a run that sets another names the
     setting that differs, and only it, first, then what to set it to."""
     from dflash_lightning.parts.base import RunSettings
 
+    assert {p.name for p in ALL_PARTS if p.own_loss} == {"xpress", "domino", "dspark_heads"}
     run = RunSettings(objective=objective, loss_weights=weights, gamma=4.0, gamma_set=False, final_hidden=True)
     with pytest.raises(ConfigError, match=f"^{wrong}: .* loss: set {fix}$"):
         part.check_run(part.settings_type(), run)
+    part.check_run(part.settings_type(), RunSettings("ce", "decay", 4.0, False, True))  # its own loss: accepted
+
+
+def test_the_names_table_says_each_parts_names_as_the_code_does():
+    """docs/parts.md's "One name per concept" table has one row per part: its part name (the settings'), its metric
+    prefix, its weight prefix and its folder fields as the code has them."""
+    docs = (PACKAGE.parent / "docs/parts.md").read_text()
+    table = docs.split("## One name per concept", 1)[1].split("\n\n")[2].splitlines()[2:]
+    rows = {cells[1].strip(" `"): cells for line in table if (cells := [c.strip() for c in line.split("|")[1:-1]])}
+    assert set(rows) == {part.name for part in ALL_PARTS}, "one row per part, named by its part name"
+    for part in ALL_PARTS:
+        _, _, metrics, weights, folder, _ = rows[part.name]
+        assert metrics == (f"`{part.prefix()}/`" if part.metric(4) is not None else "none"), part.name
+        assert part.weight_prefix is None or f"`{part.weight_prefix}.*`" in weights, part.name
+        for key in part.config_fields:  # LiLiCorr's eight are written `lilicorr_<field>`
+            assert key in folder or key.startswith("lilicorr_") and "`lilicorr_<field>`" in folder, (part.name, key)

@@ -16,7 +16,8 @@ How a new part plugs in:
    `--help`; everything else that lists parts is derived from the presets).
 3. `parts/presets.py`: the presets that include it (parts, `architectures` name, serve commands).
 4. Override the hooks it needs; each has a do-nothing default. `check_run` refuses run settings it cannot train
-   with, when the module is built and when fitting starts. Call order in one training step:
+   with, when the module is built and when fitting starts (`own_loss` declares the common case); what parts cannot
+   do together in one preset (`term_conflicts`) is refused where the preset is made. Call order in one training step:
    `head_inputs` (before the chunked head loop) -> `logit_bias`, `logit_correction`, `head_chunk` (inside it, per
    chunk of whole blocks, with the `[rows, V]` logits that exist only there) -> `loss_denominator` and `loss` (after
    it, with what the chunks returned) ->
@@ -309,9 +310,11 @@ class RunSettings:
 
 
 class Part(nn.Module):
-    """A part of a drafter (see the module docstring): its parameters, training term, metrics, drafting rule and
-    export fields. Subclasses set the class variables and override the hooks they need."""
+    """A part of a drafter (see the module docstring): its settings, parameters and weight names, then its four
+    facets, one section each (training term, drafting rule, folder fields, serving: docs/parts.md says why they are
+    sections of one class). Subclasses set the class variables and override the hooks they need."""
 
+    # --- what it is: its settings, its parameters and their weight names
     name: ClassVar[str]
     """The `DrafterConfig` field holding this part's settings (`model.drafter.<name>.*`)."""
     settings_type: ClassVar[type]
@@ -321,12 +324,6 @@ class Part(nn.Module):
     now (`config.upgrade_fields`)."""
     legacy_record: ClassVar[dict[str, str]] = {}
     """Other run-record keys of older checkpoints -> the settings field now (`config.upgrade_record`)."""
-    config_fields: ClassVar[dict[str, str]] = {}
-    """dflash_config key -> settings field, in the order export writes them; the other settings fields are
-    training choices (loss weights) a folder does not carry."""
-    folder_defaults: ClassVar[dict[str, Any]] = {}
-    """`config_fields` keys the engines read at a default where a folder lacks them (XPress's: vLLM's), so import
-    reads them so too (`read_fields`) instead of refusing the folder."""
     weight_prefix: ClassVar[str | None] = None
     """Where the part sits in the drafter (`drafter.<weight_prefix>`, its weights `<weight_prefix>.*`); None: the
     part places its modules itself (`attach`) and names them in `owns`."""
@@ -336,43 +333,12 @@ class Part(nn.Module):
     layout: ClassVar[BlockLayout | None] = None
     """The block layout the part needs (DSpark: anchor-first); None: any, the preset's is section 3's unless
     another of its parts names one (`Preset.layout`; two parts naming different layouts cannot share a preset)."""
-    fp8_exempt: ClassVar[bool] = False
-    """Whether the part's linears stay out of FP8 training (`model.fp8=all`): those whose weights the loss reads by
-    hand (`head_params`)."""
-    needs_final_hidden: ClassVar[bool] = False
-    """Whether training reads the target's final hidden states (`TrainInputs.final_hidden`)."""
-    decodes: ClassVar[bool] = False
-    """Whether the part replaces each slot's argmax by its own drafting rule (`draft`); one such part a preset."""
-    opd_refusal: ClassVar[str | None] = None
-    """Why the Draft-OPD stage (`model.stage=opd`, opd.py) cannot train a drafter with this part, completing "its
-    <name> part ..."; None: it can (the stage drafts each slot's argmax and trains each slot's unary distribution)."""
-    samples: ClassVar[bool] = True
-    """Whether its drafting rule samples above temperature 0 (a `Draft.q`); False: point masses at every temperature
-    (Domino: no engine samples its drafts), verified as docs/method.md 6b says."""
-    head_rows: ClassVar[int] = 0
-    """How many per-row tensors `head_chunk` returns in `ChunkResult.rows`."""
-    metric_prefix: ClassVar[str | None] = None
-    """The prefix of every name the part logs (`<prefix>/...`: its `PartOutput.logs` and its metric's); None: its
-    `name`."""
-    top_k: int = 0
-    """Unary candidates per row the part reads from the head loop (`HeadChunk.top_ids`); 0: none."""
-    folder_dtype: ClassVar[str | None] = None
-    """The weights' dtype every engine that serves the part requires (Domino: bfloat16, SGLang's): `export` writes it
-    when no dtype is given and refuses another in one line; None: any."""
 
     def __init__(self, config: Any) -> None:
         """`config` is the resolved DrafterConfig; the part's settings are `getattr(config, self.name)`."""
         super().__init__()
         self.settings = getattr(config, self.name)
 
-    # --- the run's settings
-    @classmethod
-    def check_run(cls, settings: Any, run: RunSettings) -> None:
-        """Refuse, in one ConfigError line naming the field, run settings the part cannot train with (its own are
-        checked by `settings.check`). Called when the module is built (`run.total_steps` None) and again when
-        fitting starts, with the Trainer's total. Nothing by default."""
-
-    # --- parameters and weight names
     @classmethod
     def layer_modules(cls, config: Any) -> dict[str, tuple[str, nn.Module]]:
         """Modules the part adds to every decoder layer, built while the layer is (so the random stream is drawn in
@@ -395,7 +361,40 @@ class Part(nn.Module):
         """Whether a weight name of a drafter's state dict is this part's."""
         return cls.weight_prefix is not None and key.startswith(cls.weight_prefix + ".")
 
-    # --- training
+    # --- the training term: the run settings it accepts, its work inside the chunked head loop and after it, its
+    # metrics (the module, the drafter's forward, loss.py; `Preset` refuses terms that cannot share a preset)
+    needs_final_hidden: ClassVar[bool] = False
+    """Whether training reads the target's final hidden states (`TrainInputs.final_hidden`)."""
+    own_loss: ClassVar[str | None] = None
+    """Where the part's training term is the whole loss (its section's: the CE objective over decay weights, no
+    distillation beside it, no D-PACE), what a refusal says of it ("XPress (model.drafter.xpress) trains with
+    section 14's loss"); `check_run` then refuses other run settings. None: any objective and weights."""
+    alone_in_loop: ClassVar[str | None] = None
+    """Why no other part may work in the head loop beside this one (DSpark: its `head_chunk` takes the loop's
+    finished gradient to its weights); a part that corrects the logits is alone without saying so. Refused where
+    the preset is made (`Preset`). None: it shares the loop."""
+    fp8_exempt: ClassVar[bool] = False
+    """Whether the part's linears stay out of FP8 training (`model.fp8=all`): those whose weights the loss reads by
+    hand (`head_params`)."""
+    opd_refusal: ClassVar[str | None] = None
+    """Why the Draft-OPD stage (`model.stage=opd`, opd.py) cannot train a drafter with this part, completing "its
+    <name> part ..."; None: it can (the stage drafts each slot's argmax and trains each slot's unary distribution)."""
+    head_rows: ClassVar[int] = 0
+    """How many per-row tensors `head_chunk` returns in `ChunkResult.rows`."""
+    metric_prefix: ClassVar[str | None] = None
+    """The prefix of every name the part logs (`<prefix>/...`: its `PartOutput.logs` and its metric's); None: its
+    `name`."""
+    top_k: int = 0
+    """Unary candidates per row the part reads from the head loop (`HeadChunk.top_ids`); 0: none."""
+
+    @classmethod
+    def check_run(cls, settings: Any, run: RunSettings) -> None:
+        """Refuse, in one ConfigError line naming the field, run settings the part cannot train with (its own are
+        checked by `settings.check`). Called when the module is built (`run.total_steps` None) and again when
+        fitting starts, with the Trainer's total. By default: the `own_loss` rule."""
+        if cls.own_loss is not None:
+            run.require_own_loss(cls.own_loss)
+
     def set_step(self, step: int, total_steps: float | None) -> None:
         """Before each training step's forward: the optimizer steps done (0 at the first) and the run's total
         (`RunSettings.total_steps`; None outside a fit). A part whose training changes over the run (Domino's lambda)
@@ -438,15 +437,15 @@ class Part(nn.Module):
         at zero for the part's terms)."""
         return 1.0
 
+    def head_chunk(self, chunk: HeadChunk) -> ChunkResult:
+        """The part's work on one chunk of rows while their full logits exist (see `HeadChunk`)."""
+        return ChunkResult()
+
     def loss_denominator(self, batch: TrainInputs) -> Tensor | None:
         """What the step's summed loss (the head loop's objective and every part's `head_chunk` terms, and their
         `logged` sums) is divided by, before its mean over data-parallel ranks; None: the slot weights' sum
         (section 4). At most one part of a preset sets it."""
         return None
-
-    def head_chunk(self, chunk: HeadChunk) -> ChunkResult:
-        """The part's work on one chunk of rows while their full logits exist (see `HeadChunk`)."""
-        return ChunkResult()
 
     def loss(self, batch: TrainInputs, head: HeadOutput | None, settings: Any) -> PartOutput:
         """The part's term and logs after the head loop; `settings` are the run's LossSettings."""
@@ -463,34 +462,29 @@ class Part(nn.Module):
         """The prefix of the names the part logs: `metric_prefix`, else its `name`."""
         return cls.metric_prefix or cls.name
 
-    # --- decoding
+    # --- the drafting rule, in place of each slot's argmax (the decoders, `evaluate`, the OPD stage)
+    decodes: ClassVar[bool] = False
+    """Whether the part replaces each slot's argmax by its own drafting rule (`draft`); one such part a preset."""
+    samples: ClassVar[bool] = True
+    """Whether its drafting rule samples above temperature 0 (a `Draft.q`); False: point masses at every temperature
+    (Domino: no engine samples its drafts), verified as docs/method.md 6b says."""
+
     def draft(self, inputs: DraftInputs) -> Draft:
         """The drafts of the drafting slots, their draft distributions q when sampled (verified with q,
         docs/method.md 6b and 10) and the part's extras. Only for parts with `decodes = True`."""
         raise NotImplementedError
 
-    # --- the served report and calibration
-    @classmethod
-    def served_report(cls, records: list[dict[str, Any]], settings: ServedSettings | None = None) -> dict[str, Any]:
-        """Keys the part adds to `evaluate`'s report of one temperature, from its served records (per prompt:
-        `accepted_lengths`, the accepted drafts of each step; `verified_lengths`, the drafts each step verified;
-        `extras`, `{name: one list per step}` of the part's `Draft.extras`; `step_tokens`, ...) and the
-        `settings` (None: the defaults); nothing by default."""
-        return {}
+    # --- the folder's fields: what export writes and import reads, and other trainers' folders it converts
+    config_fields: ClassVar[dict[str, str]] = {}
+    """dflash_config key -> settings field, in the order export writes them; the other settings fields are
+    training choices (loss weights) a folder does not carry."""
+    folder_defaults: ClassVar[dict[str, Any]] = {}
+    """`config_fields` keys the engines read at a default where a folder lacks them (XPress's: vLLM's), so import
+    reads them so too (`read_fields`) instead of refusing the folder."""
+    folder_dtype: ClassVar[str | None] = None
+    """The weights' dtype every engine that serves the part requires (Domino: bfloat16, SGLang's): `export` writes it
+    when no dtype is given and refuses another in one line; None: any."""
 
-    @classmethod
-    def calibrate(cls, records: list[dict[str, Any]], state: dict[str, Tensor]) -> Calibration | None:
-        """What the part fits on served records of one temperature (prompts apart from the evaluation's) for the
-        drafter's weights `state`; None: the part has nothing to calibrate (the default)."""
-        return None
-
-    @classmethod
-    def fold_calibration(cls, state: dict[str, Tensor], fit: dict[str, Any], source: str) -> dict[str, Tensor]:
-        """The weights with the part's `Calibration.fit` folded in (export), refusing in one ConfigError line naming
-        `source` a fit made for other weights; only for parts whose `calibrate` fits something."""
-        raise ConfigError(f"{source}: {cls.__name__} has no calibration to fold")
-
-    # --- export and import
     @classmethod
     def export_fields(cls, settings: Any, config: Any = None) -> dict[str, Any]:
         """The `dflash_config` fields of a folder with this part (`config`: the drafter's resolved DrafterConfig,
@@ -502,31 +496,6 @@ class Part(nn.Module):
         """config.json fields outside `dflash_config` (DSpark's engines read theirs there, its block layout's
         `sample_from_anchor` too), from the part's settings and the drafter's `config`; none by default."""
         return {}
-
-    @classmethod
-    def speculative_config(cls, settings: Any) -> dict[str, Any]:
-        """Keys the part adds to vLLM's `--speculative-config` in the serve command `export` prints; none by
-        default."""
-        return {}
-
-    @classmethod
-    def convert_folder(cls, raw: dict[str, Any], state: dict[str, Tensor], source: str,
-                       num_target_layers: int | None) -> tuple[dict[str, Any], dict[str, Tensor]] | None:
-        """Another trainer's own folder of the part's variant (its config.json `raw` and weights `state`) as the folder
-        export writes and the engines serve, (config.json, weights); None (the default): not such a folder.
-        `num_target_layers` is the target's layer count where the caller knows it (such a folder may not say it)."""
-        return None
-
-    @classmethod
-    def sglang_args(cls, settings: Any) -> list[str]:
-        """Flags the part adds to SGLang's launch command in the serve command `export` prints; none by default."""
-        return []
-
-    @classmethod
-    def serve_notes(cls, settings: Any) -> list[str]:
-        """Lines `export` prints after the serve commands: what an engine does with the part's folder that a user
-        must know (Domino: that vLLM has no runtime for it); none by default."""
-        return []
 
     @classmethod
     def present_fields(cls, dflash: dict[str, Any]) -> list[str]:
@@ -550,11 +519,86 @@ class Part(nn.Module):
             values[name] = float(value) if want is float else value
         return cls.settings_type(**values)
 
+    @classmethod
+    def convert_folder(cls, raw: dict[str, Any], state: dict[str, Tensor], source: str,
+                       num_target_layers: int | None) -> tuple[dict[str, Any], dict[str, Tensor]] | None:
+        """Another trainer's own folder of the part's variant (its config.json `raw` and weights `state`) as the folder
+        export writes and the engines serve, (config.json, weights); None (the default): not such a folder.
+        `num_target_layers` is the target's layer count where the caller knows it (such a folder may not say it)."""
+        return None
+
+    # --- serving: what the engines are told beyond the folder, and what `evaluate` and `calibrate` make of the
+    # served records
+
+    @classmethod
+    def speculative_config(cls, settings: Any) -> dict[str, Any]:
+        """Keys the part adds to vLLM's `--speculative-config` in the serve command `export` prints; none by
+        default."""
+        return {}
+
+    @classmethod
+    def sglang_args(cls, settings: Any) -> list[str]:
+        """Flags the part adds to SGLang's launch command in the serve command `export` prints; none by default."""
+        return []
+
+    @classmethod
+    def serve_notes(cls, settings: Any) -> list[str]:
+        """Lines `export` prints after the serve commands: what an engine does with the part's folder that a user
+        must know (Domino: that vLLM has no runtime for it); none by default."""
+        return []
+
+    @classmethod
+    def served_report(cls, records: list[dict[str, Any]], settings: ServedSettings | None = None) -> dict[str, Any]:
+        """Keys the part adds to `evaluate`'s report of one temperature, from its served records (per prompt:
+        `accepted_lengths`, the accepted drafts of each step; `verified_lengths`, the drafts each step verified;
+        `extras`, `{name: one list per step}` of the part's `Draft.extras`; `step_tokens`, ...) and the
+        `settings` (None: the defaults); nothing by default."""
+        return {}
+
+    @classmethod
+    def calibrate(cls, records: list[dict[str, Any]], state: dict[str, Tensor]) -> Calibration | None:
+        """What the part fits on served records of one temperature (prompts apart from the evaluation's) for the
+        drafter's weights `state`; None: the part has nothing to calibrate (the default)."""
+        return None
+
+    @classmethod
+    def fold_calibration(cls, state: dict[str, Tensor], fit: dict[str, Any], source: str) -> dict[str, Tensor]:
+        """The weights with the part's `Calibration.fit` folded in (export), refusing in one ConfigError line naming
+        `source` a fit made for other weights; only for parts whose `calibrate` fits something."""
+        raise ConfigError(f"{source}: {cls.__name__} has no calibration to fold")
+
+
+def overrides(part: type[Part], hook: str) -> bool:
+    """Whether a part overrides one of `Part`'s hooks (`hook` its name): what the presets and the stages read of
+    a part's training term and serving without building it."""
+    return next(cls for cls in part.__mro__ if hook in vars(cls)) is not Part
+
 
 def calibrates(part: type[Part]) -> bool:
     """Whether a part fits a calibration (overrides `Part.calibrate`)."""
-    return part.calibrate.__func__ is not Part.calibrate.__func__
+    return overrides(part, "calibrate")
+
+
+def term_conflicts(parts: tuple[type[Part], ...]) -> list[str]:
+    """Why these parts' training terms and drafting rules cannot make one preset (none: they can): two drafting
+    rules, two denominators of the step's loss, or a part that works alone in the head loop beside another."""
+    named = ", ".join
+    why = []
+    if len(rules := [p.__name__ for p in parts if p.decodes]) > 1:
+        why.append(f"two parts draft (Part.decodes): {named(rules)}")
+    if len(own := [p.__name__ for p in parts if overrides(p, "loss_denominator")]) > 1:
+        why.append(f"two parts set the loss's denominator (Part.loss_denominator): {named(own)}")
+    in_loop = [p for p in parts if overrides(p, "head_inputs")]
+    corrects = "corrects the logits, which the loop turns into their gradients in place: no other part may read them"
+    for part in in_loop:
+        alone = part.alone_in_loop or (corrects if overrides(part, "logit_correction") else None)
+        if alone and len(in_loop) > 1:
+            others = named(p.__name__ for p in in_loop if p is not part)
+            why.append(f"{part.__name__} cannot share the head loop with {others}: it {alone}")
+            break
+    return why
 
 
 __all__ = ["Calibration", "ChunkResult", "Correction", "Draft", "DraftInputs", "HeadChunk", "HeadOutput", "Part",
-           "PartOutput", "RunSettings", "ServedSettings", "TrainInputs", "VerifyCost", "calibrates"]
+           "PartOutput", "RunSettings", "ServedSettings", "TrainInputs", "VerifyCost", "calibrates", "overrides",
+           "term_conflicts"]

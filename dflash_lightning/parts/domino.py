@@ -412,6 +412,7 @@ class DominoCorrection(Part):
     layout = LAYOUT
     # fp8_exempt stays false: the projector's weights are only ever read by hand (F.linear on `.weight`), never
     # through its modules' forward, so an FP8 training linear in their place computes nothing differently.
+    own_loss = "Domino (model.drafter.domino) trains with section 13's loss"
     decodes = True
     opd_refusal = ("drafts from logits corrected by a GRU over the tokens drafted so far: the stage would have to "
                    "roll that chain out and train it on the draft's own tokens, which is not built")
@@ -429,10 +430,6 @@ class DominoCorrection(Part):
         self.prefix_states = prefix_states  # compiled in place by `compile_hooks`
 
     def attach(self, drafter: nn.Module) -> None:
-        in_loop = [type(p).__name__ for p in drafter.parts
-                   if p is not self and type(p).head_chunk is not Part.head_chunk]
-        if in_loop:  # the loop turns the logits into their gradients in place: nothing else may read them
-            raise ValueError(f"Domino's correction cannot share the head loop with {', '.join(in_loop)}")
         drafter.add_module("prefix_gru", self.head.prefix_gru)
         drafter.add_module("embed_proj", self.head.embed_proj)
         drafter.add_module("domino_curriculum", self.curriculum)  # no weights: only so that lambda moves with it
@@ -445,7 +442,7 @@ class DominoCorrection(Part):
     def check_run(cls, settings: DominoSettings, run: RunSettings) -> None:
         """Section 13's loss is the CE of the data tokens over exp(-k / gamma) slot weights, and its curriculum falls
         over the run's real total of optimizer steps (refused where the run has none, never silently off)."""
-        run.require_own_loss("Domino (model.drafter.domino) trains with section 13's loss")
+        super().check_run(settings, run)  # `own_loss`
         total = run.total_steps
         if settings.needs_total_steps and total is not None and not 1 <= total < math.inf:
             raise ConfigError(f"model.drafter.domino.lambda_base_start={settings.lambda_base_start}: the base-to-final "

@@ -34,7 +34,6 @@ from dflash_lightning.parts.base import (
     HeadOutput,
     Part,
     PartOutput,
-    RunSettings,
     ServedSettings,
     TrainInputs,
     VerifyCost,
@@ -128,6 +127,10 @@ class DSparkHeads(Part):
     # fp8_exempt stays false: the heads' weights are only ever read by hand (F.linear on `.weight`), never through
     # their modules' forward, so an FP8 training linear in their place computes nothing differently.
     needs_final_hidden = True
+    # Section 12's loss is its own: the heads' L1 to the target's distribution (no distillation objective beside
+    # it) over exp(-k / gamma) slot weights (no D-PACE).
+    own_loss = "DSpark's heads (model.drafter.dspark_heads) train with section 12's loss"
+    alone_in_loop = "takes the loop's finished dz to the Markov weights: nothing may add to it after"
     decodes = True
     opd_refusal = ("drafts slot k from logits that read the token drafted at slot k-1 (the Markov head): the "
                    "stage would have to roll that chain out and train it on the draft's own tokens, which is not "
@@ -143,22 +146,12 @@ class DSparkHeads(Part):
         self.reset_parameters()
 
     def attach(self, drafter: nn.Module) -> None:
-        in_loop = [type(p).__name__ for p in drafter.parts
-                   if p is not self and type(p).head_chunk is not Part.head_chunk]
-        if in_loop:  # head_chunk takes the loop's finished dz to the Markov weights: nothing may add to it after
-            raise ValueError(f"DSpark's heads cannot share the head loop with {', '.join(in_loop)}")
         drafter.add_module("markov_head", self.markov_head)
         drafter.add_module("confidence_head", self.confidence_head)
 
     @classmethod
     def owns(cls, key: str) -> bool:
         return key.startswith(("markov_head.", "confidence_head."))
-
-    @classmethod
-    def check_run(cls, settings: DSparkSettings, run: RunSettings) -> None:
-        """Section 12's loss is its own: the heads' L1 to the target's distribution (no distillation objective
-        beside it) over exp(-k / gamma) slot weights (no D-PACE)."""
-        run.require_own_loss("DSpark's heads (model.drafter.dspark_heads) train with section 12's loss")
 
     def reset_parameters(self, std: float = 0.02) -> None:
         """DeepSpec's init: normal(0, 0.02) weights, a zero bias."""

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from dflash_lightning.blocks import FILL_IN, BlockLayout
 from dflash_lightning.errors import ConfigError
-from dflash_lightning.parts.base import Part
+from dflash_lightning.parts.base import Part, term_conflicts
 from dflash_lightning.parts.convolutions import BlockConvolutions
 from dflash_lightning.parts.domino import DominoCorrection
 from dflash_lightning.parts.dspark import DSparkHeads
@@ -38,7 +38,11 @@ class Preset:
     """What it adds, for `--help` and errors."""
 
     def __post_init__(self) -> None:
-        self.layout  # noqa: B018 (parts that disagree on the layout are refused where the preset is made)
+        """Refuse, where the preset is made, parts whose training terms or drafting rules cannot work together
+        (`base.term_conflicts`) or that name different block layouts."""
+        self.layout  # noqa: B018
+        if conflicts := term_conflicts(self.parts):
+            raise ValueError(f"the parts of a preset cannot train together: {'; '.join(conflicts)}")
 
     @property
     def layout(self) -> BlockLayout:

@@ -29,7 +29,6 @@ from dflash_lightning.parts.base import (
     HeadOutput,
     Part,
     PartOutput,
-    RunSettings,
     TrainInputs,
 )
 
@@ -607,6 +606,9 @@ class XPress(Part):
     layout = FILL_IN_GAMMA_4
     fp8_exempt = True  # a small refiner (rank r) whose weights the loss reads by hand
     needs_final_hidden = True  # P_k = softmax(head(h_final[p + k - 1])): every term distils (section 4c)
+    # Section 14's loss is its own (CE and TV to the target's distribution, exp(-(k-1)/gamma) slot weights): no
+    # distillation objective beside it, no D-PACE weights.
+    own_loss = "XPress (model.drafter.xpress) trains with section 14's loss"
     decodes = True
     opd_refusal = ("drafts from Jacobi passes of a refiner that reads the previous pass's drafts: the stage would "
                    "have to train the last pass on the draft's own tokens, which is not built")
@@ -622,12 +624,6 @@ class XPress(Part):
 
     def reset_parameters(self) -> None:
         self.head.reset_parameters()
-
-    @classmethod
-    def check_run(cls, settings: XPressSettings, run: RunSettings) -> None:
-        """Section 14's loss is its own (CE and TV to the target's distribution, exp(-(k-1)/gamma) slot weights): no
-        distillation objective beside it, no D-PACE weights."""
-        run.require_own_loss("XPress (model.drafter.xpress) trains with section 14's loss")
 
     # --- training: inside the chunked head loop, with hand-made gradients (loss.py, docs/parts.md)
     def head_params(self) -> tuple[Tensor, ...]:
