@@ -18,7 +18,7 @@ from torch import Tensor
 from dflash_lightning.blocks import dpace_weights
 from dflash_lightning.errors import ConfigError
 from dflash_lightning.parts.base import HeadChunk, Part
-from dflash_lightning.topk import unary_top_k
+from dflash_lightning.parts.topk import unary_top_k
 
 OBJECTIVES = ("ce", "kl", "ce+kl")
 LOSS_WEIGHTS = ("decay", "dpace")

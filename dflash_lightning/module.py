@@ -22,10 +22,10 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 
-from dflash_lightning import lightning_compat as compat
 from dflash_lightning.blocks import anchor_seed, base_slot_weights, block_labels, select_anchors, teacher_positions
 from dflash_lightning.config import PART_SETTINGS, ConfigError, DrafterConfig, check_unused_parts, upgrade_record
 from dflash_lightning.fp8 import Recipe, convert_linears, require_fp8
+from dflash_lightning.long_runs import lightning_compat as compat
 from dflash_lightning.long_runs import resume
 from dflash_lightning.loss import LossSettings
 from dflash_lightning.metrics import DraftMetrics

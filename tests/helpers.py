@@ -73,7 +73,7 @@ class RecordWeights(Callback):
         self.out = out
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        from dflash_lightning import lightning_compat as compat
+        from dflash_lightning.long_runs import lightning_compat as compat
 
         if compat.inside_accumulation(trainer):
             return

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from dflash_lightning.console import HARMLESS, quiet_lightning
+from dflash_lightning.commands.console import HARMLESS, quiet_lightning
 
 ROOT = Path(__file__).parents[1]
 WARNING_LINE = re.compile(r"\.py:\d+: |Warning|warn", re.IGNORECASE)  # how Python and Lightning print a warning
@@ -59,7 +59,7 @@ def test_the_progress_bar_counts_epochs_to_the_end_max_steps_sets():
     """400 steps of 60 batches end in epoch 6: `Epoch 6/6` where Lightning's bar read `Epoch 6/-2`."""
     from types import SimpleNamespace
 
-    from dflash_lightning.console import RunProgressBar
+    from dflash_lightning.commands.console import RunProgressBar
 
     bar = RunProgressBar()
 

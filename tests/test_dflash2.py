@@ -14,7 +14,7 @@ from dflash_lightning.loss import LossSettings, chunked_head_loss
 from dflash_lightning.model import DFlashDrafter
 from dflash_lightning.parts.convolutions import BlockConv, ConvSettings
 from dflash_lightning.parts.selector import CandidateSelector, SelectorSettings
-from dflash_lightning.topk import unary_top_k
+from dflash_lightning.parts.topk import unary_top_k
 
 
 def conv_reference(x, d, base, g):

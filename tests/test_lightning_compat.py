@@ -1,5 +1,5 @@
-"""Each private Lightning (and torch) name that dflash_lightning/lightning_compat.py uses still exists, takes the
-arguments it passes and does what the project relies on; a release that changes one fails here, naming it."""
+"""Each private Lightning (and torch) name that dflash_lightning/long_runs/lightning_compat.py uses still exists,
+takes the arguments it passes and does what the project relies on; a release that changes one fails here, naming it."""
 
 from __future__ import annotations
 
@@ -16,14 +16,14 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from packaging.version import Version
 
-from dflash_lightning import lightning_compat as compat
+from dflash_lightning.long_runs import lightning_compat as compat
 from dflash_lightning.long_runs.checkpointing import RunCheckpoint
 
 VERSION = f"lightning {lightning.__version__}"
 
 
 def fail(name: str, what: str) -> None:
-    pytest.fail(f"{VERSION}: {name} {what}; update dflash_lightning/lightning_compat.py", pytrace=False)
+    pytest.fail(f"{VERSION}: {name} {what}; update dflash_lightning/long_runs/lightning_compat.py", pytrace=False)
 
 
 def require(owner: type, name: str, params: list[str]) -> None:

@@ -92,7 +92,7 @@ def test_a_lilicorr_step_without_the_final_hidden_state_is_refused_naming_the_se
     """Online, the CLI links target.final_hidden to the variant; objects wired by hand are checked in one line."""
     from types import SimpleNamespace
 
-    from dflash_lightning.wiring import check_wiring
+    from dflash_lightning.target_model.wiring import check_wiring
 
     module = SimpleNamespace(drafter_config=random_drafter(target, 8, **LILICORR).config, needs_final_hidden=True,
                              loss_settings=SimpleNamespace(distills=False, objective="ce"),

@@ -265,7 +265,7 @@ def test_replay_refuses_a_target_away_from_the_trainer(placement, cache):
     cache (no target at all), is refused naming the setting and the way out; the approximation is not."""
     from types import SimpleNamespace
 
-    from dflash_lightning.wiring import check_wiring
+    from dflash_lightning.target_model.wiring import check_wiring
 
     target = SimpleNamespace(placement=placement, feature_cache=cache)
     with pytest.raises(ConfigError, match=r"^model.opd.replay: .*--model.opd.replay=false$"):

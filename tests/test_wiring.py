@@ -12,7 +12,7 @@ from dflash_lightning.config import ConfigError, DrafterConfig
 from dflash_lightning.data import DFlashDataModule
 from dflash_lightning.module import DFlashModule
 from dflash_lightning.target_model import TargetFeatures
-from dflash_lightning.wiring import check_wiring
+from dflash_lightning.target_model.wiring import check_wiring
 
 TARGET = "dflash_lightning/assets/tiny/target_model"
 TRAIN = "dflash_lightning/assets/tiny/data/train.jsonl"

@@ -1,7 +1,7 @@
 """`python -m dflash_lightning fit|validate`: LightningCLI over DFlashModule, DFlashDataModule and the target.
 
-Values that data, model and target must share are typed once and linked (dflash_lightning/wiring.py checks them
-where they meet): the target path, the token budget, the block size, the feature cache, the drafter's target layers
+Values that data, model and target must share are typed once and linked (target_model/wiring.py checks them where
+they meet): the target path, the token budget, the block size, the feature cache, the drafter's target layers
 and whether the objective distills.
 """
 
@@ -22,11 +22,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar, RichModelS
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.strategies import DDPStrategy
 
+from dflash_lightning.commands.console import RunModelSummary, RunProgressBar, quiet_lightning
 from dflash_lightning.config import UnusedPartSettings
-from dflash_lightning.console import RunModelSummary, RunProgressBar, quiet_lightning
 from dflash_lightning.data import DFlashDataModule
 from dflash_lightning.decoding.validation import SpeculativeValidation
-from dflash_lightning.lightning_compat import TypedSettingsCLI, adopt_class
 from dflash_lightning.long_runs.checkpointing import (
     AtomicCheckpointIO,
     CheckpointError,
@@ -38,6 +37,7 @@ from dflash_lightning.long_runs.checkpointing import (
     remove_partials,
 )
 from dflash_lightning.long_runs.distributed_checkpoint import DistributedSaveDDP
+from dflash_lightning.long_runs.lightning_compat import TypedSettingsCLI, adopt_class
 from dflash_lightning.long_runs.preemption import Preemption
 from dflash_lightning.long_runs.resume import ResumeError
 from dflash_lightning.module import DFlashModule
@@ -155,7 +155,7 @@ class DFlashCLI(TypedSettingsCLI):
                 adopt_class(cb, RunCheckpoint)
             if isinstance(cb, ModelCheckpoint) and cb.dirpath is None:  # version_N/ would change on every start
                 cb.dirpath = str(Path(trainer.default_root_dir, "checkpoints").resolve())
-        for cb in trainer.callbacks:  # the configs' bar and Lightning's summary: see dflash_lightning/console.py
+        for cb in trainer.callbacks:  # the configs' bar and Lightning's summary: see commands/console.py
             if type(cb) is RichProgressBar:
                 adopt_class(cb, RunProgressBar)
             elif type(cb) is RichModelSummary:

@@ -21,7 +21,6 @@ from lightning.pytorch import LightningDataModule
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
-from dflash_lightning import lightning_compat as compat
 from dflash_lightning.blocks import anchor_seed
 from dflash_lightning.data.conversations import (
     DataError,
@@ -38,8 +37,9 @@ from dflash_lightning.data.packing import (
     padding_fraction,
     shard_rows,
 )
+from dflash_lightning.long_runs import lightning_compat as compat
 from dflash_lightning.target_model.loading import load_target_config
-from dflash_lightning.wiring import check_wiring
+from dflash_lightning.target_model.wiring import check_wiring
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

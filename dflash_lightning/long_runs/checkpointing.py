@@ -25,7 +25,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import Tensor
 
-from dflash_lightning import lightning_compat as compat
+from dflash_lightning.long_runs import lightning_compat as compat
 from dflash_lightning.long_runs.atomic import link_atomic, write_atomic
 from dflash_lightning.long_runs.resume import mid_accumulation
 

@@ -22,7 +22,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from dflash_lightning import lightning_compat as compat
+from dflash_lightning.long_runs import lightning_compat as compat
 from dflash_lightning.long_runs.async_save import (
     AsyncAtomicCheckpointIO,
     expected_checkpoint_bytes,

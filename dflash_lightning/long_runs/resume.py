@@ -10,8 +10,8 @@ import logging
 from dataclasses import asdict, is_dataclass
 from typing import Any
 
-from dflash_lightning import lightning_compat as compat
 from dflash_lightning.config import ConfigError
+from dflash_lightning.long_runs import lightning_compat as compat
 from dflash_lightning.target_model.fingerprints import check_same_target, target_fingerprint, tokenizer_sha256
 
 log = logging.getLogger(__name__)

@@ -26,7 +26,7 @@ from dflash_lightning.parts.base import (
     PartOutput,
     TrainInputs,
 )
-from dflash_lightning.topk import unary_top_k
+from dflash_lightning.parts.topk import unary_top_k
 
 PREFIX = "lilicorr."  # every weight of the part sits under it in the drafter and in the folder
 NUM_FEATURES = 5  # [l, exp(l), l - l_1, rank fraction, is top 1], in the feature MLP's input order

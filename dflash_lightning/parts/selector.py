@@ -27,7 +27,7 @@ from dflash_lightning.parts.base import (
     PartOutput,
     TrainInputs,
 )
-from dflash_lightning.topk import unary_top_k
+from dflash_lightning.parts.topk import unary_top_k
 
 
 @dataclass

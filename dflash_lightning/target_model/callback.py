@@ -30,7 +30,7 @@ from dflash_lightning.target_model.features import FeatureExtractor
 from dflash_lightning.target_model.loading import DTYPES, load_target_config
 from dflash_lightning.target_model.separate import FeaturePrefetcher, rank_devices
 from dflash_lightning.target_model.sharded import node_mesh
-from dflash_lightning.wiring import check_wiring
+from dflash_lightning.target_model.wiring import check_wiring
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
