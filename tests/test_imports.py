@@ -88,3 +88,12 @@ def test_the_unreleased_old_names_do_not_import():
     for old in ("dflash_lightning.speculative", "dflash_lightning.target"):
         with pytest.raises(ModuleNotFoundError):
             importlib.import_module(old)
+
+
+ROOT_MODULES = {"blocks", "cli", "config", "errors", "fp8", "loss", "metrics", "model", "module", "opd"}
+
+
+def test_the_package_root_holds_the_core_only():
+    """The root keeps the DFlash core (docs/layout.md names the ten); a module of one stage goes in its folder."""
+    found = {p.stem for p in ROOT.glob("*.py")} - {"__init__", "__main__"}
+    assert found == ROOT_MODULES, f"added at the root: {sorted(found - ROOT_MODULES)}; docs/layout.md"
