@@ -30,8 +30,9 @@ from dflash_lightning.config import PART_SETTINGS, ConfigError, DrafterConfig
 from dflash_lightning.decoding.evaluate import evaluate
 from dflash_lightning.export import import_folder, print_serve_commands, serve_commands, write_folder
 from dflash_lightning.hf.modeling_dflash import __all__ as REMOTE_CLASSES
+from dflash_lightning.long_runs.warm_start import warm_start
 from dflash_lightning.model import DFlashDrafter
-from dflash_lightning.module import DFlashModule, warm_start
+from dflash_lightning.module import DFlashModule
 from dflash_lightning.parts.base import calibrates
 from dflash_lightning.parts.convolutions import ConvSettings
 from dflash_lightning.parts.domino import DominoSettings
