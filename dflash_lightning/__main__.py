@@ -20,7 +20,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException  # n
 from dflash_lightning.cli import cli_main  # noqa: E402
 from dflash_lightning.console import quiet_lightning  # noqa: E402
 from dflash_lightning.long_runs.checkpointing import CheckpointError  # noqa: E402
-from dflash_lightning.module import NonFiniteError  # noqa: E402
+from dflash_lightning.long_runs.nonfinite import NonFiniteError  # noqa: E402
 from dflash_lightning.regenerate.openai_backend import ServerError  # noqa: E402
 from dflash_lightning.target_model.engine import EngineError  # noqa: E402
 

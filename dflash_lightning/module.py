@@ -10,16 +10,13 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections import deque
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 from lightning.pytorch import LightningModule
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 
 from dflash_lightning import lightning_compat as compat
@@ -27,6 +24,7 @@ from dflash_lightning.blocks import anchor_seed, base_slot_weights, block_labels
 from dflash_lightning.config import ConfigError, DrafterConfig, check_unused_parts, upgrade_record
 from dflash_lightning.fp8 import Recipe, convert_linears, require_fp8
 from dflash_lightning.long_runs import resume
+from dflash_lightning.long_runs.nonfinite import NonFiniteGuard, NonFiniteSettings
 from dflash_lightning.long_runs.warm_start import warm_start
 from dflash_lightning.loss import LossSettings
 from dflash_lightning.metrics import DraftMetrics
@@ -39,10 +37,6 @@ from dflash_lightning.target_model.callback import TargetFeatures
 BATCH_KEYS = ("input_ids", "position_ids", "doc_ids", "loss_mask")
 STAGES = ("sft", "opd")
 COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # torch.compile's
-
-
-class NonFiniteError(RuntimeError):
-    """Training met a NaN/Inf loss or gradient norm under `nonfinite: stop`, or too many in a row under `skip`."""
 
 
 class StepBuffers(nn.Module):
@@ -187,7 +181,6 @@ class DFlashModule(LightningModule):
             (1 in topk and min(topk) >= 1, f"model.topk must include 1 (plain accuracy) and hold k >= 1 only, got "
                                            f"{list(topk)}"),
             (head_chunk_size >= 1, f"model.head_chunk_size must be >= 1, got {head_chunk_size}"),
-            (max_nonfinite_in_a_row >= 1, f"model.max_nonfinite_in_a_row must be >= 1, got {max_nonfinite_in_a_row}"),
         ):
             if not ok:
                 raise ConfigError(message)
@@ -205,8 +198,7 @@ class DFlashModule(LightningModule):
         self.check_parts(cfg=drafter)  # each part's rules for the run's settings (the target is not needed)
         if init_from and not Path(init_from).exists():  # before any target or GPU work
             raise ConfigError(f"model.init_from: no drafter checkpoint or folder at '{init_from}'")
-        if nonfinite not in ("skip", "stop"):
-            raise ConfigError(f"model.nonfinite must be skip or stop, got {nonfinite!r}")
+        self.nonfinite_guard = NonFiniteGuard(NonFiniteSettings(nonfinite, max_nonfinite_in_a_row), metrics_every)
         self.drafter_config = drafter.resolved(load_target_config(target), *tokenizer_ids(target))
         cfg = self.drafter_config
         if max(topk) > cfg.vocab_size:
@@ -221,12 +213,6 @@ class DFlashModule(LightningModule):
         self._anchor_generator: torch.Generator | None = None
         self._run_record: dict[str, Any] | None = None
         self._resumed = False
-        # On the device, so the step never waits for the host: [skipped steps, skipped in a row, step index of the
-        # first skipped step (-1: none), steps seen] since this process started training.
-        self.register_buffer("nonfinite_counts", torch.tensor([0, 0, -1, 0]), persistent=False)
-        self._first_step = 0  # global step at which nonfinite_counts started counting
-        self._recent_batches: deque[tuple[int, Tensor]] = deque(maxlen=4 * metrics_every)  # (step, sample ids)
-        self._last_loss: Tensor | None = None
         self._total_steps: float | None = None  # the Trainer's, once the optimizer is configured
 
     def configure_model(self) -> None:
@@ -317,6 +303,11 @@ class DFlashModule(LightningModule):
                 or any(p.needs_final_hidden for p in self.drafter_config.preset.parts))
 
     @property
+    def nonfinite_counts(self) -> Tensor:
+        """The guard's device counts: skipped steps, in a row, the first one's index, steps seen."""
+        return self.nonfinite_guard.counts
+
+    @property
     def replays(self) -> bool:
         """Whether each training step runs the target on the drafts (`model.stage=opd` with `model.opd.replay`)."""
         return self.hparams.stage == "opd" and self.opd_settings.replay
@@ -363,36 +354,31 @@ class DFlashModule(LightningModule):
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         measure = batch_idx % self.hparams.metrics_every == 0
-        if "sample_ids" in batch:  # kept (on the device, no copy) to name a bad batch's records later
-            self._recent_batches.append((self.trainer.global_step, batch["sample_ids"]))
+        self.nonfinite_guard.remember(self.trainer.global_step, batch)
         trainer = compat.attached_trainer(self)
         for part in self.drafter.parts:  # what changes over the run (a curriculum), as device tensors in place
             part.set_step(trainer.global_step if trainer is not None else 0, self._total_steps)
         if self.hparams.stage == "opd":
             return self.opd_training_step(batch, measure, self.anchor_generator(batch, batch_idx))
         out = self.step(batch, max(self.hparams.topk) if measure else 0, self.anchor_generator(batch, batch_idx))
-        self._last_loss = out.loss.detach()
+        self.nonfinite_guard.last_loss = out.loss.detach()
         if measure:  # logging only here keeps host syncs off the other steps
             self.update_metrics(out, "train")
-            counts = self.nonfinite_counts
             extra = {"ce": out.ce} if self.loss_settings.distills else {}
             for part in out.parts.values():
                 extra |= part.logs
-            values = {**extra, **self.compute_metrics("train"), "skipped_steps": counts[0],
-                      "skipped_in_a_row": counts[1]}
+            values = {**extra, **self.compute_metrics("train"), **self.nonfinite_guard.logs()}
             host = self._log_metrics("train", values, out.loss)
-            self._check_nonfinite(*host[-2:].long().tolist())
+            self.nonfinite_guard.check(self.trainer, *host[-2:].long().tolist())
         return out.loss
 
     def opd_training_step(self, batch: dict[str, Tensor], measure: bool, generator: torch.Generator) -> Tensor:
         """The `opd` stage's step: its loss, logged with its parts (and the rollout's seconds) on measured steps."""
         loss, logs = self.opd_step(batch, generator, self._replay_target() if self.replays else None, measure)
-        self._last_loss = loss.detach()
+        self.nonfinite_guard.last_loss = loss.detach()
         if measure:
-            counts = self.nonfinite_counts
-            host = self._log_metrics("train", {**logs, "skipped_steps": counts[0], "skipped_in_a_row": counts[1]},
-                                     loss)
-            self._check_nonfinite(*host[-2:].long().tolist())
+            host = self._log_metrics("train", {**logs, **self.nonfinite_guard.logs()}, loss)
+            self.nonfinite_guard.check(self.trainer, *host[-2:].long().tolist())
         return loss
 
     def opd_step(self, batch: dict[str, Tensor], generator: torch.Generator | None = None,
@@ -448,55 +434,8 @@ class DFlashModule(LightningModule):
         return found[0].extractor
 
     def on_train_end(self) -> None:
-        self._check_nonfinite()  # the steps after the last metrics read
-        self._summarise_steps()
-
-    def _summarise_steps(self) -> None:
-        """One line on the steps this process trained and skipped; more than half of them skipped fails the run (after
-        its last checkpoint): its drafter barely trained, though no rule above stopped it."""
-        skipped, _, first, seen = self.nonfinite_counts.tolist()
-        if not seen:
-            return
-        start = self._first_step
-        line = (f"steps {start}..{start + seen - 1} of this fit: {seen - skipped} trained, {skipped} skipped as "
-                "non-finite")
-        if skipped:
-            line += f" (the first at step {start + first})"
-        if 2 * skipped > seen:
-            raise NonFiniteError(
-                f"{line}: more than half, so the drafter barely trained; lower model.lr ({self.hparams.lr:g}) or "
-                f"look at the records of step {start + first}: {self._batch_sources(start + first)}"
-            )
-        rank_zero_info(line)
-
-    def _check_nonfinite(self, skipped: int | None = None, in_a_row: int | None = None) -> None:
-        """Raise `NonFiniteError` as `nonfinite` says, from counts the host already has (else one copy)."""
-        if skipped is None or in_a_row is None:
-            skipped, in_a_row = self.nonfinite_counts[:2].tolist()
-        stop = self.hparams.nonfinite == "stop" and skipped > 0
-        if not stop and in_a_row < self.hparams.max_nonfinite_in_a_row:
-            return
-        _, _, first, seen = self.nonfinite_counts.tolist()
-        if stop:
-            step = self._first_step + first
-            raise NonFiniteError(
-                f"non-finite loss or gradient norm at step {step} (nonfinite: stop): neither it nor a later update "
-                f"was applied; batch records: {self._batch_sources(step)}"
-            )
-        last = self._first_step + seen - 1
-        raise NonFiniteError(
-            f"{in_a_row} steps in a row, through step {last}, had a non-finite loss or gradient norm and were skipped "
-            f"(max_nonfinite_in_a_row: {self.hparams.max_nonfinite_in_a_row}); last batch records: "
-            f"{self._batch_sources(last)}"
-        )
-
-    def _batch_sources(self, step: int) -> str:
-        """The file:line (or file:row N) of each record of the batch trained at `step`, if it is still known."""
-        ids = next((t for s, t in reversed(self._recent_batches) if s == step), None)
-        datamodule = getattr(self.trainer, "datamodule", None)
-        if ids is None or not hasattr(datamodule, "train_locations"):
-            return "unknown (not among the recent batches)"
-        return ", ".join(datamodule.train_locations([i for i in ids.tolist() if i >= 0]))
+        self.nonfinite_guard.check(self.trainer)  # the steps after the last metrics read
+        self.nonfinite_guard.summarise(self.trainer, self.hparams.lr)
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         out = self.step(batch, max(self.hparams.topk), self.anchor_generator(batch, batch_idx))
@@ -536,25 +475,7 @@ class DFlashModule(LightningModule):
             norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)  # equal on all DDP ranks
             if max_norm < math.inf:
                 torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
-        self._skip_if_nonfinite(optimizer, norm)
-
-    def _skip_if_nonfinite(self, optimizer: torch.optim.Optimizer, grad_norm: Tensor) -> None:
-        """Sets the fused optimizer's `found_inf` (as GradScaler does): a 1 skips the update, moments and step count."""
-        bad = ~torch.isfinite(grad_norm.to(self.nonfinite_counts.device))
-        if self._last_loss is not None:
-            loss_bad = (~torch.isfinite(self._last_loss)).to(torch.int32)
-            if self.trainer.world_size > 1:
-                torch.distributed.all_reduce(loss_bad, op=torch.distributed.ReduceOp.MAX)  # every rank skips alike
-            bad = bad | loss_bad.bool()
-        counts, hit = self.nonfinite_counts, bad.long()
-        counts[0] += hit
-        counts[1] = (counts[1] + 1) * hit
-        counts[2] = torch.where((counts[2] < 0) & bad, counts[3], counts[2])
-        counts[3] += 1
-        if self.hparams.nonfinite == "stop":
-            bad = bad | (counts[2] >= 0)  # after the first bad step nothing is applied until the host raises
-        optimizer = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-        optimizer.found_inf = bad.to(torch.float32)  # 0-dim, like the optimizer's step counts
+        self.nonfinite_guard.skip_if_nonfinite(optimizer, norm, self.trainer.world_size)
 
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams
@@ -589,7 +510,7 @@ class DFlashModule(LightningModule):
         if compat.attached_trainer(self) is not None and self.trainer.training:
             # A skipped step the host has not read yet (nonfinite: stop, or too many in a row) must stop the run
             # before a checkpoint records it as a later, trained step. One copy per save.
-            self._check_nonfinite()
+            self.nonfinite_guard.check(self.trainer)
         # The resolved drafter config lets export and evaluation work without re-reading the target.
         checkpoint["drafter_config"] = self.drafter_config.to_dict()
         checkpoint[resume.RECORD_KEY] = self.run_record()
@@ -633,8 +554,7 @@ class DFlashModule(LightningModule):
         self._resumed = fitting
 
     def on_train_start(self) -> None:
-        self.nonfinite_counts.copy_(torch.tensor([0, 0, -1, 0]))
-        self._first_step = self.trainer.global_step
+        self.nonfinite_guard.start(self.trainer.global_step)
         if self._resumed:  # loading the optimizer and scheduler restored the checkpoint's values of these
             self._apply_optimizer_settings()
 

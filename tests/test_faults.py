@@ -34,8 +34,8 @@ from dflash_lightning.long_runs.checkpointing import (
     newest_complete_checkpoint,
 )
 from dflash_lightning.long_runs.distributed_checkpoint import save_distributed, shard_files
+from dflash_lightning.long_runs.nonfinite import NonFiniteError
 from dflash_lightning.long_runs.preemption import Preempted, Preemption
-from dflash_lightning.module import NonFiniteError
 
 ROOT = Path(__file__).parents[1]
 EVENTS: dict[str, list] = {}  # what the callbacks below saw, per test
