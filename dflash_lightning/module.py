@@ -16,12 +16,11 @@ from typing import Any, Literal
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import MixedPrecision
-from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
 
 from dflash_lightning import lightning_compat as compat
 from dflash_lightning.blocks import anchor_seed, base_slot_weights, block_labels, select_anchors, teacher_positions
-from dflash_lightning.config import ConfigError, DrafterConfig, check_unused_parts, upgrade_record
+from dflash_lightning.config import ConfigError, DrafterConfig, check_unused_parts
 from dflash_lightning.fp8 import Recipe, convert_linears, require_fp8
 from dflash_lightning.long_runs import resume
 from dflash_lightning.long_runs.nonfinite import NonFiniteGuard, NonFiniteSettings
@@ -211,7 +210,7 @@ class DFlashModule(LightningModule):
         self.drafter: DFlashDrafter | None = None
         self.buffers_: StepBuffers | None = None
         self._anchor_generator: torch.Generator | None = None
-        self._run_record: dict[str, Any] | None = None
+        self.run_record = resume.RunRecord()  # what checkpoints record of this run, and their checks on resume
         self._resumed = False
         self._total_steps: float | None = None  # the Trainer's, once the optimizer is configured
 
@@ -511,47 +510,11 @@ class DFlashModule(LightningModule):
             # A skipped step the host has not read yet (nonfinite: stop, or too many in a row) must stop the run
             # before a checkpoint records it as a later, trained step. One copy per save.
             self.nonfinite_guard.check(self.trainer)
-        # The resolved drafter config lets export and evaluation work without re-reading the target.
-        checkpoint["drafter_config"] = self.drafter_config.to_dict()
-        checkpoint[resume.RECORD_KEY] = self.run_record()
-        if compat.attached_trainer(self) is not None:  # export serves the drafter in the dtype it was trained in
-            checkpoint["precision"] = str(self.trainer.precision)
-
-    def run_record(self) -> dict[str, Any]:
-        """This run's settings as a checkpoint records them (made once: the target is fingerprinted)."""
-        trainer = compat.attached_trainer(self)
-        if self._run_record is None or trainer is None:  # data and layout are known once in a Trainer
-            record = resume.run_record(self)
-            if trainer is None:
-                return record
-            self._run_record = record
-        return self._run_record
+        self.run_record.save(self, checkpoint)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Refuse a checkpoint of a run that trained something else, before its weights are loaded.
-
-        On another number of ranks (the global batch kept) the loop's per-rank batch counts are rescaled.
-        """
-        trainer = compat.attached_trainer(self)
-        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
-        saved = upgrade_record(checkpoint.get(resume.RECORD_KEY))  # an older version's flat part fields moved
-        if isinstance(checkpoint.get("drafter_config"), dict):
-            checkpoint["drafter_config"] = DrafterConfig.from_dict(checkpoint["drafter_config"]).to_dict()
-        path = getattr(trainer, "ckpt_path", None)
-        if saved is not None:
-            saved = {"model.stage": "sft", **saved}  # written before stages: supervised
-            if fitting and saved["model.stage"] != self.hparams.stage:
-                raise resume.ResumeError(
-                    f"cannot resume from {path}: its run trained stage {saved['model.stage']!r}, this one is "
-                    f"{self.hparams.stage!r}; a new stage starts from the last one's weights in a new run folder, "
-                    f"with --model.init_from={path}")
-        resume.check_resume(saved, self.run_record(), path, fitting, self.hparams.accept_target_change)
-        resume.check_weights(checkpoint, self.state_dict(), self.drafter_config.to_dict(), path)
-        if fitting and saved is not None:
-            resume.check_step_boundary(checkpoint, path)
-            old_world = saved.get("trainer.world_size", trainer.world_size)
-            resume.rescale_loop_progress(checkpoint, old_world, trainer.world_size)
-        self._resumed = fitting
+        """Refuse a checkpoint of a run that trained something else, before its weights are loaded."""
+        self._resumed = self.run_record.check(self, checkpoint)
 
     def on_train_start(self) -> None:
         self.nonfinite_guard.start(self.trainer.global_step)
