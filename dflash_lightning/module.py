@@ -20,22 +20,20 @@ from torch import Tensor, nn
 
 from dflash_lightning import lightning_compat as compat
 from dflash_lightning.blocks import anchor_seed, base_slot_weights, block_labels, select_anchors, teacher_positions
-from dflash_lightning.config import ConfigError, DrafterConfig, check_unused_parts
-from dflash_lightning.fp8 import Recipe, convert_linears, require_fp8
+from dflash_lightning.config import ConfigError, DrafterConfig
+from dflash_lightning.fp8 import Recipe, convert_linears
 from dflash_lightning.long_runs import resume
-from dflash_lightning.long_runs.nonfinite import NonFiniteGuard, NonFiniteSettings
+from dflash_lightning.long_runs.nonfinite import NonFiniteGuard
 from dflash_lightning.long_runs.warm_start import warm_start
 from dflash_lightning.loss import LossSettings
 from dflash_lightning.metrics import DraftMetrics
 from dflash_lightning.model import DFlashDrafter, DraftOutput
+from dflash_lightning.module_settings import ModuleSettings
 from dflash_lightning.opd import OPDSettings, accept_mask, greedy_drafts, opd_loss, replay, slot_kls
-from dflash_lightning.parts.base import RunSettings
 from dflash_lightning.target_model import load_target_config, load_target_io, tokenizer_ids
 from dflash_lightning.target_model.callback import TargetFeatures
 
 BATCH_KEYS = ("input_ids", "position_ids", "doc_ids", "loss_mask")
-STAGES = ("sft", "opd")
-COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # torch.compile's
 
 
 class StepBuffers(nn.Module):
@@ -157,51 +155,14 @@ class DFlashModule(LightningModule):
         Anchors are drawn from a seed of each batch's place in the data stream (`batch["anchor_seed"]`, from
         `DFlashDataModule`), so a resumed run draws the same anchors as an uninterrupted one.
         """
+        given = {k: v for k, v in locals().items() if k not in ("self", "__class__")}  # the arguments, as passed
         super().__init__()
-        self.save_hyperparameters()
-        # every value the user typed, before the target's config is read
-        check_unused_parts(drafter)
-        drafter.check()
-        for ok, message in (
-            (token_budget >= drafter.block_size,
-             f"model.token_budget ({token_budget}) must be >= block_size ({drafter.block_size})"),
-            (1 <= num_anchors <= token_budget, f"model.num_anchors must be in 1..token_budget ({token_budget}), got "
-                                               f"{num_anchors}"),
-            (0 < lr < math.inf, f"model.lr must be a finite number > 0, got {lr}"),
-            (0 <= weight_decay < math.inf, f"model.weight_decay must be a finite number >= 0, got {weight_decay}"),
-            (len(betas) == 2 and all(0 <= b < 1 for b in betas),
-             f"model.betas must be two numbers in [0, 1), got {list(betas)}"),
-            (0 <= warmup_ratio < 1, f"model.warmup_ratio must be in [0, 1) (a fraction of the steps), got "
-                                    f"{warmup_ratio}"),
-            (0 <= min_lr_ratio <= 1, f"model.min_lr_ratio must be in [0, 1] (a fraction of lr), got {min_lr_ratio}"),
-            (compile_mode in COMPILE_MODES, f"model.compile_mode must be null or one of {COMPILE_MODES[1:]}, got "
-                                            f"{compile_mode!r}"),
-            (metrics_every >= 1, f"model.metrics_every must be >= 1, got {metrics_every}"),
-            (1 in topk and min(topk) >= 1, f"model.topk must include 1 (plain accuracy) and hold k >= 1 only, got "
-                                           f"{list(topk)}"),
-            (head_chunk_size >= 1, f"model.head_chunk_size must be >= 1, got {head_chunk_size}"),
-        ):
-            if not ok:
-                raise ConfigError(message)
-        try:
-            self.loss_settings = LossSettings(objective, loss_weights, dpace_alpha, temperature)
-        except ConfigError as err:
-            raise ConfigError(f"model.{err}") from None
-        for name, value, needs, now in (("dpace_alpha", dpace_alpha, "loss_weights=dpace", loss_weights == "dpace"),
-                                        ("temperature", temperature, "objective=kl or ce+kl", objective != "ce")):
-            if value != getattr(LossSettings, name) and not now:  # set, where nothing reads it
-                raise ConfigError(f"model.{name}={value}: read only with model.{needs}, so ignored; set that, or drop "
-                                  f"model.{name}")
-        self.opd_settings = opd if isinstance(opd, OPDSettings) else OPDSettings(**opd)  # a dict from a checkpoint
-        check_stage(stage, self.opd_settings, drafter, init_from)
-        self.check_parts(cfg=drafter)  # each part's rules for the run's settings (the target is not needed)
-        if init_from and not Path(init_from).exists():  # before any target or GPU work
-            raise ConfigError(f"model.init_from: no drafter checkpoint or folder at '{init_from}'")
-        self.nonfinite_guard = NonFiniteGuard(NonFiniteSettings(nonfinite, max_nonfinite_in_a_row), metrics_every)
+        self.save_hyperparameters()  # the flat names: what checkpoints record and the CLI shows
+        self.settings = ModuleSettings.from_flat(given)  # grouped and checked, before the target is read
+        self.loss_settings, self.opd_settings = self.settings.loss, self.settings.stage.opd
         self.drafter_config = drafter.resolved(load_target_config(target), *tokenizer_ids(target))
         cfg = self.drafter_config
-        if max(topk) > cfg.vocab_size:
-            raise ConfigError(f"model.topk: each k must be in 1..vocab_size ({cfg.vocab_size}), got {list(topk)}")
+        self.settings.metrics.check_vocab(cfg.vocab_size)
         self.train_metrics = DraftMetrics(cfg.block_size, topk, cfg.layout)
         self.val_metrics = DraftMetrics(cfg.block_size, topk, cfg.layout)
         # each part's own metrics (parts/base.py `Part.metric`), by the part's name
@@ -212,48 +173,44 @@ class DFlashModule(LightningModule):
         self._anchor_generator: torch.Generator | None = None
         self.run_record = resume.RunRecord()  # what checkpoints record of this run, and their checks on resume
         self._resumed = False
+        self.nonfinite_guard = NonFiniteGuard(self.settings.nonfinite, metrics_every)
         self._total_steps: float | None = None  # the Trainer's, once the optimizer is configured
 
     def configure_model(self) -> None:
         """Build the drafter, attach the target's frozen embedding and head, make buffers, compile."""
         if self.drafter is not None:  # Lightning may call this more than once
             return
-        cfg, hp = self.drafter_config, self.hparams
-        if hp.fp8 != "none":
+        cfg, run = self.drafter_config, self.settings
+        if run.fp8.fp8 != "none":
             trainer = compat.attached_trainer(self)
             self.check_device(trainer.strategy.root_device if trainer is not None else self.device)
         self.drafter = DFlashDrafter(cfg)
-        self.drafter.head_chunk_size = hp.head_chunk_size
+        self.drafter.head_chunk_size = run.step.head_chunk_size
         self.drafter.loss_settings = self.loss_settings
-        if hp.init_from:  # before FP8 conversion and compile; a resumed checkpoint's weights replace these
-            warm_start(self.drafter, hp.init_from)
-        if hp.fp8 == "all":
-            convert_linears(self.drafter, hp.fp8_recipe)
+        if run.stage.init_from:  # before FP8 conversion and compile; a resumed checkpoint's weights replace these
+            warm_start(self.drafter, run.stage.init_from)
+        if run.fp8.fp8 == "all":
+            convert_linears(self.drafter, run.fp8.fp8_recipe)
         # Under bf16-mixed the weights stay fp32 (the masters); frozen tensors and inputs take the compute dtype.
         dtype = self._autocast_dtype()
-        embed, head = load_target_io(hp.target)
+        embed, head = load_target_io(run.target)
         self.drafter.set_target_io(embed.to(dtype or embed.dtype), head.to(dtype or head.dtype))
         self.buffers_ = StepBuffers(
-            hp.token_budget, cfg.num_context_layers * cfg.hidden_size,
-            base_slot_weights(cfg.block_size, hp.loss_weights, cfg.loss_gamma, cfg.layout),
+            run.step.token_budget, cfg.num_context_layers * cfg.hidden_size,
+            base_slot_weights(cfg.block_size, run.loss.loss_weights, cfg.loss_gamma, cfg.layout),
             cfg.hidden_size if self.needs_final_hidden else 0, dtype,
         )
-        if hp.compile:
-            if hp.compile_cache_dir:  # read by inductor at its first compile, which comes after this
-                os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(hp.compile_cache_dir).resolve())
-            self.drafter.compile_blocks(hp.compile_mode)
+        if run.compile.compile:
+            if run.compile.compile_cache_dir:  # read by inductor at its first compile, which comes after this
+                os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(run.compile.compile_cache_dir).resolve())
+            self.drafter.compile_blocks(run.compile.compile_mode)
 
     def check_device(self, device: torch.device, precision: str | None = None, off: str | None = None) -> None:
-        """Refuse settings the device or precision cannot run (FP8 off Hopper-class GPUs or outside bf16), before any
-        target is loaded: `precision` is the Trainer's, given where the module is not attached to it yet; `off`: the
-        flags a refusal names (the target's too, where it runs in FP8)."""
-        if self.hparams.fp8 == "none":
-            return
+        """Refuse settings the device or precision cannot run (`FP8Settings.check_device`), before any target is
+        loaded: `precision` is the Trainer's, given where the module is not attached to it yet."""
         if precision is None:
             precision = getattr(getattr(compat.attached_trainer(self), "precision_plugin", None), "precision", None)
-        if precision not in (None, "bf16-mixed", "bf16-true"):  # FP8 matmuls return bf16
-            raise ConfigError(f"model.fp8={self.hparams.fp8} needs trainer.precision bf16-mixed, not {precision}")
-        require_fp8(device, f"model.fp8={self.hparams.fp8}", off)
+        self.settings.fp8.check_device(device, precision, off)
 
     def _autocast_dtype(self) -> torch.dtype | None:
         """bf16 (or fp16) where the Trainer computes under autocast over fp32 weights, else None."""
@@ -272,34 +229,27 @@ class DFlashModule(LightningModule):
                 f"{self.final_hidden_reason()} needs the target's final hidden states ('final_hidden') "
                 "in each batch: TargetFeatures adds them; a feature cache must be written with --final_hidden true"
             )
-        if self.hparams.fp8 != "none" and self.drafter.head_fp8 is None:  # once, on the device, in its final dtype
-            self.drafter.use_fp8_head(self.hparams.fp8_recipe)
+        fp8, compiled = self.settings.fp8, self.settings.compile
+        if fp8.fp8 != "none" and self.drafter.head_fp8 is None:  # once, on the device, in its final dtype
+            self.drafter.use_fp8_head(fp8.fp8_recipe)
         buf = self.buffers_
-        if self.hparams.compile and self.hparams.compile_mode == "reduce-overhead":
+        if compiled.compile and compiled.compile_mode == "reduce-overhead":
             torch.compiler.cudagraph_mark_step_begin()  # CUDA graph outputs of the last step may be overwritten
         buf.load(batch)
-        anchors, valid = select_anchors(buf.loss_mask, buf.doc_ids, self.hparams.num_anchors, generator)
+        anchors, valid = select_anchors(buf.loss_mask, buf.doc_ids, self.settings.step.num_anchors, generator)
         return self.drafter(
             buf.features, buf.input_ids, buf.position_ids, buf.doc_ids, buf.loss_mask,
             anchors, valid, buf.slot_weights, topk, buf.final_hidden,
         )
 
     def check_parts(self, total_steps: float | None = None, cfg: DrafterConfig | None = None) -> None:
-        """Each part of the preset checks the run's settings (`Part.check_run`): when the module is built (`cfg`, the
-        drafter as given, before the target is read), and with the Trainer's total steps when fitting starts."""
-        cfg, loss = cfg or self.drafter_config, self.loss_settings
-        final = loss.distills or any(p.needs_final_hidden for p in cfg.preset.parts)
-        run = RunSettings(loss.objective, loss.loss_weights, cfg.loss_gamma, cfg.gamma is not None, final,
-                          total_steps)
-        for part in cfg.preset.parts:
-            part.check_run(getattr(cfg, part.name), run)
+        """Each part's rules for the run's settings (`ModuleSettings.check_parts`), on the resolved drafter."""
+        self.settings.check_parts(cfg or self.drafter_config, total_steps)
 
     @property
     def needs_final_hidden(self) -> bool:
-        """Whether training reads the target's final hidden states: the objective distills, a part needs them, or
-        the stage is `opd` (the teacher of every slot, and a whole target to replay)."""
-        return (self.loss_settings.distills or self.hparams.stage == "opd"
-                or any(p.needs_final_hidden for p in self.drafter_config.preset.parts))
+        """Whether training reads the target's final hidden states (`ModuleSettings.needs_final_hidden`)."""
+        return self.settings.needs_final_hidden
 
     @property
     def nonfinite_counts(self) -> Tensor:
@@ -309,15 +259,11 @@ class DFlashModule(LightningModule):
     @property
     def replays(self) -> bool:
         """Whether each training step runs the target on the drafts (`model.stage=opd` with `model.opd.replay`)."""
-        return self.hparams.stage == "opd" and self.opd_settings.replay
+        return self.settings.stage.stage == "opd" and self.opd_settings.replay
 
     def final_hidden_reason(self) -> str:
         """The setting that makes training read the target's final hidden states, named for an error line."""
-        if self.hparams.stage == "opd":
-            return "model.stage 'opd'"
-        if self.loss_settings.distills:
-            return f"model.objective '{self.hparams.objective}'"
-        return f"model.drafter.variant '{self.drafter_config.variant}'"
+        return self.settings.final_hidden_reason()
 
     def update_metrics(self, out: DraftOutput, stage: str) -> None:
         """Feed one forward's results to the stage's metrics: the backbone's and each part's."""
@@ -352,14 +298,15 @@ class DFlashModule(LightningModule):
         return self._anchor_generator.manual_seed(int(seed))
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        measure = batch_idx % self.hparams.metrics_every == 0
+        measure = batch_idx % self.settings.metrics.metrics_every == 0
         self.nonfinite_guard.remember(self.trainer.global_step, batch)
         trainer = compat.attached_trainer(self)
         for part in self.drafter.parts:  # what changes over the run (a curriculum), as device tensors in place
             part.set_step(trainer.global_step if trainer is not None else 0, self._total_steps)
-        if self.hparams.stage == "opd":
+        if self.settings.stage.stage == "opd":
             return self.opd_training_step(batch, measure, self.anchor_generator(batch, batch_idx))
-        out = self.step(batch, max(self.hparams.topk) if measure else 0, self.anchor_generator(batch, batch_idx))
+        topk = max(self.settings.metrics.topk)
+        out = self.step(batch, topk if measure else 0, self.anchor_generator(batch, batch_idx))
         self.nonfinite_guard.last_loss = out.loss.detach()
         if measure:  # logging only here keeps host syncs off the other steps
             self.update_metrics(out, "train")
@@ -434,10 +381,10 @@ class DFlashModule(LightningModule):
 
     def on_train_end(self) -> None:
         self.nonfinite_guard.check(self.trainer)  # the steps after the last metrics read
-        self.nonfinite_guard.summarise(self.trainer, self.hparams.lr)
+        self.nonfinite_guard.summarise(self.trainer, self.settings.optim.lr)
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
-        out = self.step(batch, max(self.hparams.topk), self.anchor_generator(batch, batch_idx))
+        out = self.step(batch, max(self.settings.metrics.topk), self.anchor_generator(batch, batch_idx))
         self.update_metrics(out, "val")
         self.log("val/loss", out.loss, prog_bar=True, batch_size=1, sync_dist=True)  # epoch mean over ranks
         if self.loss_settings.distills:  # comparable across objectives
@@ -477,14 +424,14 @@ class DFlashModule(LightningModule):
         self.nonfinite_guard.skip_if_nonfinite(optimizer, norm, self.trainer.world_size)
 
     def configure_optimizers(self) -> dict[str, Any]:
-        hp = self.hparams
+        optim = self.settings.optim
         params = [p for p in self.drafter.parameters() if p.requires_grad]
         decay = [p for p in params if p.ndim >= 2]
         no_decay = [p for p in params if p.ndim < 2]
         optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            [{"params": decay, "weight_decay": optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             # fused (on the CPU too): one kernel per step on GPUs, and it skips non-finite steps on the device
-            lr=hp.lr, betas=tuple(hp.betas), fused=True,
+            lr=optim.lr, betas=tuple(optim.betas), fused=True,
         )
         estimate = self.trainer.estimated_stepping_batches
         self.check_parts(float(estimate))
@@ -493,16 +440,7 @@ class DFlashModule(LightningModule):
                               "learning rate's warmup and cosine decay are fractions of its total steps; set "
                               "trainer.max_steps or trainer.max_epochs")
         self._total_steps = float(estimate)
-        total = max(1, int(estimate))
-        warmup = int(hp.warmup_ratio * total)
-
-        def schedule(step: int) -> float:
-            if step < warmup:
-                return (step + 1) / warmup
-            progress = min(1.0, (step - warmup) / max(1, total - warmup))
-            return hp.min_lr_ratio + (1 - hp.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, optim.schedule(max(1, int(estimate))))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -518,38 +456,5 @@ class DFlashModule(LightningModule):
 
     def on_train_start(self) -> None:
         self.nonfinite_guard.start(self.trainer.global_step)
-        if self._resumed:  # loading the optimizer and scheduler restored the checkpoint's values of these
-            self._apply_optimizer_settings()
-
-    def _apply_optimizer_settings(self) -> None:
-        """Set lr, betas and weight decay to this run's values; the schedule's position is the checkpoint's."""
-        hp = self.hparams
-        optimizer = self.optimizers(use_pl_optimizer=False)
-        scheduler = self.lr_schedulers()
-        for group, decay in zip(optimizer.param_groups, (hp.weight_decay, 0.0), strict=True):
-            group.update(betas=tuple(hp.betas), weight_decay=decay, initial_lr=hp.lr)
-        scheduler.base_lrs = [hp.lr] * len(optimizer.param_groups)
-        for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas, strict=True):
-            group["lr"] = hp.lr * factor(scheduler.last_epoch)  # what LambdaLR computes, with this run's lr
-        compat.set_last_lr(scheduler, [group["lr"] for group in optimizer.param_groups])
-
-
-def check_stage(stage: str, opd: OPDSettings, drafter: DrafterConfig, init_from: str | None) -> None:
-    """Refuse, before any target or GPU work, a stage and its settings that cannot train together: `opd` settings
-    without the stage, the stage without a trained drafter, or a variant whose parts cannot be trained on-policy
-    (`Part.opd_refusal`, which says why)."""
-    if stage not in STAGES:
-        raise ConfigError(f"model.stage must be one of {STAGES}, got {stage!r}")
-    opd.check()
-    if stage != "opd":
-        if opd != OPDSettings():
-            raise ConfigError(f"model.opd: read only with model.stage=opd (the stage is {stage!r}), so ignored; set "
-                              "--model.stage=opd, or drop model.opd")
-        return
-    if not init_from:
-        raise ConfigError("model.stage=opd refines a trained drafter: name it with model.init_from (a .ckpt or "
-                          "exported folder of the supervised stage)")
-    for part in drafter.preset.parts:
-        if part.opd_refusal:
-            raise ConfigError(f"model.stage=opd: variant {drafter.variant!r} is not trained on-policy here: its "
-                              f"{part.name} part {part.opd_refusal} (docs/opd.md)")
+        if self._resumed:  # loading the optimizer and scheduler restored the checkpoint's lr, betas and weight decay
+            self.settings.optim.restore(self.optimizers(use_pl_optimizer=False), self.lr_schedulers())

@@ -26,10 +26,8 @@ class NonFiniteError(RuntimeError):
 class NonFiniteSettings:
     """What a non-finite step does to the run (`model.nonfinite`, `model.max_nonfinite_in_a_row`)."""
 
-    nonfinite: Literal["skip", "stop"] = "skip"
-    """skip: count the step and go on; stop: skip every update from then on and raise at the next metrics read."""
-    max_nonfinite_in_a_row: int = 16
-    """Under `skip`, raise once this many steps in a row were skipped."""
+    nonfinite: Literal["skip", "stop"]
+    max_nonfinite_in_a_row: int
 
     def __post_init__(self) -> None:
         if self.max_nonfinite_in_a_row < 1:
