@@ -16,54 +16,23 @@ from typing import Any, Literal
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import MixedPrecision
-from torch import Tensor, nn
+from torch import Tensor
 
 from dflash_lightning import lightning_compat as compat
 from dflash_lightning.blocks import anchor_seed, base_slot_weights, block_labels, select_anchors, teacher_positions
 from dflash_lightning.config import ConfigError, DrafterConfig
+from dflash_lightning.data.packing import StepBuffers
 from dflash_lightning.fp8 import Recipe, convert_linears
 from dflash_lightning.long_runs import resume
-from dflash_lightning.long_runs.nonfinite import NonFiniteGuard
+from dflash_lightning.long_runs.nonfinite import NonFiniteGuard, clip_grad_norm
 from dflash_lightning.long_runs.warm_start import warm_start
 from dflash_lightning.loss import LossSettings
-from dflash_lightning.metrics import DraftMetrics
+from dflash_lightning.metrics import StageMetrics
 from dflash_lightning.model import DFlashDrafter, DraftOutput
 from dflash_lightning.module_settings import ModuleSettings
 from dflash_lightning.opd import OPDSettings, accept_mask, greedy_drafts, opd_loss, replay, slot_kls
 from dflash_lightning.target_model import load_target_config, load_target_io, tokenizer_ids
 from dflash_lightning.target_model.callback import TargetFeatures
-
-BATCH_KEYS = ("input_ids", "position_ids", "doc_ids", "loss_mask")
-
-
-class StepBuffers(nn.Module):
-    """Persistent fixed-shape inputs of the training step (static addresses for CUDA graphs)."""
-
-    def __init__(
-        self, token_budget: int, feature_dim: int, slot_weights: Tensor, final_dim: int = 0,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        super().__init__()
-        t = token_budget
-        self.register_buffer("input_ids", torch.zeros(t, dtype=torch.long), persistent=False)
-        self.register_buffer("position_ids", torch.zeros(t, dtype=torch.long), persistent=False)
-        self.register_buffer("doc_ids", torch.full((t,), -1, dtype=torch.int32), persistent=False)
-        self.register_buffer("loss_mask", torch.zeros(t, dtype=torch.bool), persistent=False)
-        self.register_buffer("features", torch.zeros(t, feature_dim, dtype=dtype), persistent=False)  # [T, K*H]
-        self.register_buffer("slot_weights", slot_weights, persistent=False)  # [B]
-        # The target's final normed hidden states, the teacher of distillation; absent for plain CE.
-        final = torch.zeros(t, final_dim, dtype=dtype) if final_dim else None  # [T, H]
-        self.register_buffer("final_hidden", final, persistent=False)
-
-    def load(self, batch: dict[str, Tensor]) -> None:
-        """Copy one packed batch in; a batch of another shape is refused with the field named."""
-        keys = (*BATCH_KEYS, "features", *(("final_hidden",) if self.final_hidden is not None else ()))
-        for key in keys:
-            src = batch["context_features" if key == "features" else key]
-            dst = getattr(self, key)
-            if src.shape != dst.shape:
-                raise ValueError(f"batch field '{key}' has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
-            dst.copy_(src, non_blocking=True)
 
 
 class DFlashModule(LightningModule):
@@ -163,11 +132,8 @@ class DFlashModule(LightningModule):
         self.drafter_config = drafter.resolved(load_target_config(target), *tokenizer_ids(target))
         cfg = self.drafter_config
         self.settings.metrics.check_vocab(cfg.vocab_size)
-        self.train_metrics = DraftMetrics(cfg.block_size, topk, cfg.layout)
-        self.val_metrics = DraftMetrics(cfg.block_size, topk, cfg.layout)
-        # each part's own metrics (parts/base.py `Part.metric`), by the part's name
-        self.train_part_metrics, self.val_part_metrics = (nn.ModuleDict(
-            {p.name: m for p in cfg.preset.parts if (m := p.metric(cfg.block_size)) is not None}) for _ in range(2))
+        self.train_metrics, self.val_metrics = (StageMetrics(cfg.block_size, topk, cfg.layout, cfg.preset.parts)
+                                                for _ in range(2))
         self.drafter: DFlashDrafter | None = None
         self.buffers_: StepBuffers | None = None
         self._anchor_generator: torch.Generator | None = None
@@ -265,25 +231,6 @@ class DFlashModule(LightningModule):
         """The setting that makes training read the target's final hidden states, named for an error line."""
         return self.settings.final_hidden_reason()
 
-    def update_metrics(self, out: DraftOutput, stage: str) -> None:
-        """Feed one forward's results to the stage's metrics: the backbone's and each part's."""
-        base, parts = (self.train_metrics, self.train_part_metrics) if stage == "train" else (
-            self.val_metrics, self.val_part_metrics)
-        base.update(out.topk, out.labels, out.supervised)
-        for name, metric in parts.items():
-            metric.update(out.parts[name].rows, out.labels, out.supervised)
-
-    def compute_metrics(self, stage: str) -> dict[str, Tensor]:
-        """The stage's metric values (the backbone's, then each part's), and reset them."""
-        base, parts = (self.train_metrics, self.train_part_metrics) if stage == "train" else (
-            self.val_metrics, self.val_part_metrics)
-        values = base.compute()
-        base.reset()
-        for metric in parts.values():
-            values |= metric.compute()
-            metric.reset()
-        return values
-
     def anchor_generator(self, batch: dict[str, Any], batch_idx: int) -> torch.Generator:
         """The generator of this batch's anchors, seeded from the batch's place in the stream: no state to save.
 
@@ -309,11 +256,11 @@ class DFlashModule(LightningModule):
         out = self.step(batch, topk if measure else 0, self.anchor_generator(batch, batch_idx))
         self.nonfinite_guard.last_loss = out.loss.detach()
         if measure:  # logging only here keeps host syncs off the other steps
-            self.update_metrics(out, "train")
+            self.train_metrics.update(out)
             extra = {"ce": out.ce} if self.loss_settings.distills else {}
             for part in out.parts.values():
                 extra |= part.logs
-            values = {**extra, **self.compute_metrics("train"), **self.nonfinite_guard.logs()}
+            values = {**extra, **self.train_metrics.compute(), **self.nonfinite_guard.logs()}
             host = self._log_metrics("train", values, out.loss)
             self.nonfinite_guard.check(self.trainer, *host[-2:].long().tolist())
         return out.loss
@@ -385,13 +332,13 @@ class DFlashModule(LightningModule):
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         out = self.step(batch, max(self.settings.metrics.topk), self.anchor_generator(batch, batch_idx))
-        self.update_metrics(out, "val")
+        self.val_metrics.update(out)
         self.log("val/loss", out.loss, prog_bar=True, batch_size=1, sync_dist=True)  # epoch mean over ranks
         if self.loss_settings.distills:  # comparable across objectives
             self.log("val/ce", out.ce, batch_size=1, sync_dist=True)
 
     def on_validation_epoch_end(self) -> None:
-        self._log_metrics("val", self.compute_metrics("val"))
+        self._log_metrics("val", self.val_metrics.compute())
 
     def _log_metrics(self, stage: str, values: dict[str, Tensor], loss: Tensor | None = None) -> Tensor:
         """Log metric values after one device-to-host copy, so later progress-bar reads never sync; returns them."""
@@ -408,19 +355,12 @@ class DFlashModule(LightningModule):
         gradient_clip_algorithm: str | None = None,
     ) -> None:
         """Clip, and make the fused optimizer skip the update on the device if the loss or the gradient norm is not
-        finite. By norm through FSDP's own `clip_grad_norm_` (the norm over all shards) where the model has it."""
+        finite (`clip_grad_norm`: through FSDP's own where the model has it)."""
         by_norm = gradient_clip_algorithm in (None, "norm")
         if gradient_clip_val and not by_norm:
             super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
         max_norm = float(gradient_clip_val) if gradient_clip_val and by_norm else math.inf
-        wrapped = self.trainer.model
-        if hasattr(wrapped, "clip_grad_norm_"):
-            norm = wrapped.clip_grad_norm_(max_norm)  # Lightning's own norm clipping refuses FSDP
-        else:
-            params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-            norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)  # equal on all DDP ranks
-            if max_norm < math.inf:
-                torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+        norm = clip_grad_norm(self.trainer.model, optimizer, max_norm)
         self.nonfinite_guard.skip_if_nonfinite(optimizer, norm, self.trainer.world_size)
 
     def configure_optimizers(self) -> dict[str, Any]:

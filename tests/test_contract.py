@@ -224,8 +224,8 @@ def test_every_parts_metric_names_carry_its_prefix_and_are_logged(tiny_target, f
     expected = set()
     for part in module.drafter_config.preset.parts:
         names = set(out.parts[part.name].logs)
-        if part.name in module.train_part_metrics:
-            metric = module.train_part_metrics[part.name]
+        if part.name in module.train_metrics.parts:
+            metric = module.train_metrics.parts[part.name]
             metric.update(out.parts[part.name].rows, out.labels, out.supervised)
             names |= set(metric.compute())
             metric.reset()

@@ -4,6 +4,7 @@ decided on the device; the host reads the counts at metrics reads and stops the 
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -34,6 +35,18 @@ class NonFiniteSettings:
             raise ConfigError(f"model.max_nonfinite_in_a_row must be >= 1, got {self.max_nonfinite_in_a_row}")
         if self.nonfinite not in POLICIES:
             raise ConfigError(f"model.nonfinite must be skip or stop, got {self.nonfinite!r}")
+
+
+def clip_grad_norm(model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> Tensor:
+    """The gradient norm over all ranks, clipped to `max_norm` (inf: not clipped); through FSDP's own
+    `clip_grad_norm_` (the norm over all shards) where the model has it."""
+    if hasattr(model, "clip_grad_norm_"):
+        return model.clip_grad_norm_(max_norm)  # Lightning's own norm clipping refuses FSDP
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)  # equal on all DDP ranks
+    if max_norm < math.inf:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+    return norm
 
 
 class NonFiniteGuard(nn.Module):
