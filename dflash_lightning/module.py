@@ -29,7 +29,7 @@ from dflash_lightning.long_runs.warm_start import warm_start
 from dflash_lightning.loss import LossSettings
 from dflash_lightning.metrics import StageMetrics
 from dflash_lightning.model import DFlashDrafter, DraftOutput
-from dflash_lightning.module_settings import ModuleSettings
+from dflash_lightning.module_settings import ARGS_HELP, ModuleSettings
 from dflash_lightning.opd import OPDSettings, accept_mask, greedy_drafts, opd_loss, replay, slot_kls
 from dflash_lightning.target_model import load_target_config, load_target_io, tokenizer_ids
 from dflash_lightning.target_model.callback import TargetFeatures
@@ -37,6 +37,8 @@ from dflash_lightning.target_model.callback import TargetFeatures
 
 class DFlashModule(LightningModule):
     """Trains a DFlash drafter for a frozen target; the target itself lives in `TargetFeatures`."""
+    # Anchors are drawn from a seed of each batch's place in the data stream (`batch["anchor_seed"]`, from
+    # `DFlashDataModule`), so a resumed run draws the same anchors as an uninterrupted one.
 
     def __init__(
         self,
@@ -68,62 +70,7 @@ class DFlashModule(LightningModule):
         stage: Literal["sft", "opd"] = "sft",
         opd: OPDSettings = OPDSettings(),  # noqa: B008 (read only; jsonargparse needs a plain dataclass)
     ) -> None:
-        """
-        Args:
-            target: Hugging Face folder or hub id of the frozen target (linked from `target.path` in the CLI).
-            drafter: Drafter shape, variant (a preset of parts) and each part's settings; sizes left unset are the
-                target's.
-            token_budget: Tokens per packed batch T (linked from `data.token_budget` in the CLI).
-            num_anchors: Anchors (blocks) drafted per batch A; unused slots are masked out.
-            lr: Peak AdamW learning rate.
-            weight_decay: AdamW weight decay.
-            betas: AdamW betas.
-            warmup_ratio: Fraction of the steps spent in linear warmup before cosine decay.
-            min_lr_ratio: Final learning rate as a fraction of `lr`.
-            compile: Compile the drafter's layers and head loss in place after its buffers exist.
-            compile_mode: torch.compile mode (None, "default", "reduce-overhead", "max-autotune-no-cudagraphs").
-            compile_cache_dir: Persistent compiler cache (sets TORCHINDUCTOR_CACHE_DIR); runs that share it skip
-                the cold compile (33 s for the Qwen3-8B recipe on an H200, 5 s warm).
-            metrics_every: Compute and log accuracy and acceptance metrics every N training batches.
-            topk: Top-k accuracies to report; must include 1.
-            head_chunk_size: Rows of the frozen head's logits made at once in the loss (rounded down to whole
-                blocks, at least one).
-            objective: `ce`: cross-entropy against the data tokens; `kl`: KL(target || drafter), distilling the
-                target's own distribution through the same frozen head (needs the whole target forward);
-                `ce+kl`: their sum (docs/method.md section 4c).
-            loss_weights: Slot weights: `decay`, exp(-(k-1)/gamma); `dpace`, from each step's per-slot CE, how
-                much the expected accepted length depends on each slot (docs/method.md section 4b).
-            dpace_alpha: D-PACE smoothing alpha in [0, 1]: s_k = (1 - alpha) * q_k + alpha.
-            temperature: Distillation temperature: KL of the softmaxes of logits / temperature, times
-                temperature**2.
-            init_from: Warm start: a drafter `.ckpt` or exported folder (ours or published) whose weights start this
-                run. A drafter may start a run of another variant whose backbone is its own: the parts it lacks
-                start at their initialisation (convolutions as the identity, so at step 0 the backbone computes
-                what it did), head-only parts it has and the run lacks are dropped (logged). Ignored when a
-                checkpoint is resumed.
-            accept_target_change: Go on (with one logged line) where the checkpoint resumed or validated, or the
-                feature cache read, was made with other target weights of the same config (a fine-tune): by default
-                refused, as the drafter was trained for, or the features come from, the other weights.
-            nonfinite: A step whose loss or gradient norm is NaN/Inf never updates the weights or the optimizer
-                state (decided on the device). skip: count it (`train/skipped_steps`, read every `metrics_every`
-                steps) and go on; stop: skip every update from then on and raise, naming the step and the batch's
-                source records, at the next metrics read.
-            max_nonfinite_in_a_row: Under `skip`, raise once this many steps in a row were skipped.
-            fp8: FP8 matmuls on Hopper GPUs (torchao): `head` runs the frozen head's logits and hidden-state
-                gradient in FP8, `all` also trains the drafter's linear layers in FP8 (over the same master weights).
-            fp8_recipe: FP8 scaling of the drafter's linears (torchao's recipe names): `tensorwise`, `rowwise`,
-                `rowwise_with_gw_hp` (the weight-gradient GEMM in bf16), or `rowwise_forward_only` (both backward
-                GEMMs in bf16); the frozen head scales per tensor for `tensorwise`, else per row.
-            stage: `sft`: supervised training on the data's blocks (the objective above); `opd`: Draft-OPD, on-policy
-                refinement of the trained drafter `init_from` names (docs/opd.md): at each anchor the drafter's own
-                block, the target's distributions given the draft's tokens, greedy verification's accept mask,
-                forward KL on accepted slots and decayed reverse KL on rejected ones. Validation keeps the `sft`
-                objective, so the stages compare. Recorded in checkpoints: a resume cannot switch it.
-            opd: The `opd` stage's settings (gamma, lambda_acc, lambda_rej, replay).
-
-        Anchors are drawn from a seed of each batch's place in the data stream (`batch["anchor_seed"]`, from
-        `DFlashDataModule`), so a resumed run draws the same anchors as an uninterrupted one.
-        """
+        # Each argument's help (the CLI's) is in the docstring of its group, beside its checks: module_settings.py.
         given = {k: v for k, v in locals().items() if k not in ("self", "__class__")}  # the arguments, as passed
         super().__init__()
         self.save_hyperparameters()  # the flat names: what checkpoints record and the CLI shows
@@ -141,6 +88,8 @@ class DFlashModule(LightningModule):
         self._resumed = False
         self.nonfinite_guard = NonFiniteGuard(self.settings.nonfinite, metrics_every)
         self._total_steps: float | None = None  # the Trainer's, once the optimizer is configured
+
+    __init__.__doc__ = ARGS_HELP  # written once, with each group's checks
 
     def configure_model(self) -> None:
         """Build the drafter, attach the target's frozen embedding and head, make buffers, compile."""
@@ -246,8 +195,8 @@ class DFlashModule(LightningModule):
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         measure = batch_idx % self.settings.metrics.metrics_every == 0
-        self.nonfinite_guard.remember(self.trainer.global_step, batch)
         trainer = compat.attached_trainer(self)
+        self.nonfinite_guard.remember(trainer, batch)
         for part in self.drafter.parts:  # what changes over the run (a curriculum), as device tensors in place
             part.set_step(trainer.global_step if trainer is not None else 0, self._total_steps)
         if self.settings.stage.stage == "opd":
@@ -262,7 +211,7 @@ class DFlashModule(LightningModule):
                 extra |= part.logs
             values = {**extra, **self.train_metrics.compute(), **self.nonfinite_guard.logs()}
             host = self._log_metrics("train", values, out.loss)
-            self.nonfinite_guard.check(self.trainer, *host[-2:].long().tolist())
+            self.nonfinite_guard.check(trainer, *host[-2:].long().tolist())
         return out.loss
 
     def opd_training_step(self, batch: dict[str, Tensor], measure: bool, generator: torch.Generator) -> Tensor:
@@ -271,7 +220,7 @@ class DFlashModule(LightningModule):
         self.nonfinite_guard.last_loss = loss.detach()
         if measure:
             host = self._log_metrics("train", {**logs, **self.nonfinite_guard.logs()}, loss)
-            self.nonfinite_guard.check(self.trainer, *host[-2:].long().tolist())
+            self.nonfinite_guard.check(compat.attached_trainer(self), *host[-2:].long().tolist())
         return loss
 
     def opd_step(self, batch: dict[str, Tensor], generator: torch.Generator | None = None,

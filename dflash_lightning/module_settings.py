@@ -6,6 +6,7 @@ are those names, so checkpoints record and resume the same keys.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
@@ -35,7 +36,14 @@ def _check(*rules: tuple[bool, str]) -> None:
 
 @dataclass(frozen=True)
 class StepSettings:
-    """The shape of one training step: T tokens of B-token blocks, A anchors, the head's rows at once."""
+    """The shape of one training step: T tokens of B-token blocks, A anchors, the head's rows at once.
+
+    Args:
+        token_budget: Tokens per packed batch T (linked from `data.token_budget` in the CLI).
+        num_anchors: Anchors (blocks) drafted per batch A; unused slots are masked out.
+        head_chunk_size: Rows of the frozen head's logits made at once in the loss (rounded down to whole
+            blocks, at least one).
+    """
 
     block_size: int  # the drafter's
     token_budget: int
@@ -52,7 +60,15 @@ class StepSettings:
 
 @dataclass(frozen=True)
 class OptimizerSettings:
-    """AdamW and its learning-rate schedule: linear warmup, then cosine decay to `min_lr_ratio * lr`."""
+    """AdamW and its learning-rate schedule: linear warmup, then cosine decay to `min_lr_ratio * lr`.
+
+    Args:
+        lr: Peak AdamW learning rate.
+        weight_decay: AdamW weight decay.
+        betas: AdamW betas.
+        warmup_ratio: Fraction of the steps spent in linear warmup before cosine decay.
+        min_lr_ratio: Final learning rate as a fraction of `lr`.
+    """
 
     lr: float
     weight_decay: float
@@ -94,7 +110,14 @@ class OptimizerSettings:
 
 @dataclass(frozen=True)
 class CompileSettings:
-    """torch.compile of the drafter's layers and head loss."""
+    """torch.compile of the drafter's layers and head loss.
+
+    Args:
+        compile: Compile the drafter's layers and head loss in place after its buffers exist.
+        compile_mode: torch.compile mode (None, "default", "reduce-overhead", "max-autotune-no-cudagraphs").
+        compile_cache_dir: Persistent compiler cache (sets TORCHINDUCTOR_CACHE_DIR); runs that share it skip
+            the cold compile (33 s for the Qwen3-8B recipe on an H200, 5 s warm).
+    """
 
     compile: bool
     compile_mode: str | None
@@ -107,7 +130,12 @@ class CompileSettings:
 
 @dataclass(frozen=True)
 class MetricSettings:
-    """What a measured step reports, and how often."""
+    """What a measured step reports, and how often.
+
+    Args:
+        metrics_every: Compute and log accuracy and acceptance metrics every N training batches.
+        topk: Top-k accuracies to report; must include 1.
+    """
 
     metrics_every: int
     topk: tuple[int, ...]
@@ -126,7 +154,15 @@ class MetricSettings:
 
 @dataclass(frozen=True)
 class FP8Settings:
-    """FP8 matmuls on Hopper GPUs (torchao)."""
+    """FP8 matmuls on Hopper GPUs (torchao).
+
+    Args:
+        fp8: FP8 matmuls on Hopper GPUs (torchao): `head` runs the frozen head's logits and hidden-state
+            gradient in FP8, `all` also trains the drafter's linear layers in FP8 (over the same master weights).
+        fp8_recipe: FP8 scaling of the drafter's linears (torchao's recipe names): `tensorwise`, `rowwise`,
+            `rowwise_with_gw_hp` (the weight-gradient GEMM in bf16), or `rowwise_forward_only` (both backward
+            GEMMs in bf16); the frozen head scales per tensor for `tensorwise`, else per row.
+    """
 
     fp8: Literal["none", "head", "all"]
     fp8_recipe: Recipe
@@ -143,7 +179,21 @@ class FP8Settings:
 
 @dataclass(frozen=True)
 class StageSettings:
-    """The training stage (`sft` or Draft-OPD's `opd`), its settings, and the drafter a run starts from."""
+    """The training stage (`sft` or Draft-OPD's `opd`), its settings, and the drafter a run starts from.
+
+    Args:
+        stage: `sft`: supervised training on the data's blocks (the objective above); `opd`: Draft-OPD, on-policy
+            refinement of the trained drafter `init_from` names (docs/opd.md): at each anchor the drafter's own
+            block, the target's distributions given the draft's tokens, greedy verification's accept mask,
+            forward KL on accepted slots and decayed reverse KL on rejected ones. Validation keeps the `sft`
+            objective, so the stages compare. Recorded in checkpoints: a resume cannot switch it.
+        opd: The `opd` stage's settings (gamma, lambda_acc, lambda_rej, replay).
+        init_from: Warm start: a drafter `.ckpt` or exported folder (ours or published) whose weights start this
+            run. A drafter may start a run of another variant whose backbone is its own: the parts it lacks
+            start at their initialisation (convolutions as the identity, so at step 0 the backbone computes
+            what it did), head-only parts it has and the run lacks are dropped (logged). Ignored when a
+            checkpoint is resumed.
+    """
 
     stage: Literal["sft", "opd"]
     opd: OPDSettings
@@ -189,7 +239,24 @@ GROUPS = {"step": StepSettings, "optim": OptimizerSettings, "compile": CompileSe
 
 @dataclass(frozen=True)
 class ModuleSettings:
-    """Every setting of a `DFlashModule`, by group; made from its flat arguments by `from_flat`."""
+    """Every setting of a `DFlashModule`, by group; made from its flat arguments by `from_flat`.
+
+    Args:
+        target: Hugging Face folder or hub id of the frozen target (linked from `target.path` in the CLI).
+        drafter: Drafter shape, variant (a preset of parts) and each part's settings; sizes left unset are the
+            target's.
+        accept_target_change: Go on (with one logged line) where the checkpoint resumed or validated, or the
+            feature cache read, was made with other target weights of the same config (a fine-tune): by default
+            refused, as the drafter was trained for, or the features come from, the other weights.
+        objective: `ce`: cross-entropy against the data tokens; `kl`: KL(target || drafter), distilling the
+            target's own distribution through the same frozen head (needs the whole target forward);
+            `ce+kl`: their sum (docs/method.md section 4c).
+        loss_weights: Slot weights: `decay`, exp(-(k-1)/gamma); `dpace`, from each step's per-slot CE, how
+            much the expected accepted length depends on each slot (docs/method.md section 4b).
+        dpace_alpha: D-PACE smoothing alpha in [0, 1]: s_k = (1 - alpha) * q_k + alpha.
+        temperature: Distillation temperature: KL of the softmaxes of logits / temperature, times
+            temperature**2.
+    """
 
     target: str
     drafter: DrafterConfig
@@ -247,3 +314,13 @@ class ModuleSettings:
         if self.loss.distills:
             return f"model.objective '{self.loss.objective}'"
         return f"model.drafter.variant '{self.drafter.variant}'"
+
+
+def args_help(*groups: type) -> str:
+    """One `Args:` section of the groups' own: the help (jsonargparse's) of a signature taking their fields flat."""
+    sections = (inspect.getdoc(group).partition("Args:\n")[2].rstrip() for group in groups)
+    return "\nArgs:\n" + "\n".join(sections)  # the empty first line keeps the entries indented under `Args:`
+
+
+ARGS_HELP = args_help(ModuleSettings, StepSettings, OptimizerSettings, CompileSettings, MetricSettings,
+                      NonFiniteSettings, FP8Settings, StageSettings)

@@ -25,7 +25,15 @@ class NonFiniteError(RuntimeError):
 
 @dataclass(frozen=True)
 class NonFiniteSettings:
-    """What a non-finite step does to the run (`model.nonfinite`, `model.max_nonfinite_in_a_row`)."""
+    """What a non-finite step does to the run (`model.nonfinite`, `model.max_nonfinite_in_a_row`).
+
+    Args:
+        nonfinite: A step whose loss or gradient norm is NaN/Inf never updates the weights or the optimizer
+            state (decided on the device). skip: count it (`train/skipped_steps`, read every `metrics_every`
+            steps) and go on; stop: skip every update from then on and raise, naming the step and the batch's
+            source records, at the next metrics read.
+        max_nonfinite_in_a_row: Under `skip`, raise once this many steps in a row were skipped.
+    """
 
     nonfinite: Literal["skip", "stop"]
     max_nonfinite_in_a_row: int
@@ -68,10 +76,10 @@ class NonFiniteGuard(nn.Module):
         self.counts.copy_(torch.tensor([0, 0, -1, 0]))
         self.first_step = global_step
 
-    def remember(self, global_step: int, batch: dict[str, Tensor]) -> None:
+    def remember(self, trainer: Any, batch: dict[str, Tensor]) -> None:
         """Keep the batch's sample ids (on the device, no copy) to name a bad batch's records later."""
         if "sample_ids" in batch:
-            self.recent_batches.append((global_step, batch["sample_ids"]))
+            self.recent_batches.append((trainer.global_step, batch["sample_ids"]))
 
     def logs(self) -> dict[str, Tensor]:
         """The counts a measured step logs (last, so `check` finds them at the end of the host copy)."""
