@@ -2,7 +2,8 @@
 
 `configure_model` builds the drafter and its persistent step buffers, then compiles the drafter in
 place; every training step copies the batch into those buffers, so shapes and addresses never change.
-Checkpoints carry the run's settings record (resume.py), checked when a run resumes from them.
+Its settings are grouped and checked in module_settings.py; the non-finite step guard, the run record that checkpoints
+carry (checked on resume) and warm start are in long_runs/.
 """
 
 from __future__ import annotations
@@ -37,8 +38,6 @@ from dflash_lightning.target_model.callback import TargetFeatures
 
 class DFlashModule(LightningModule):
     """Trains a DFlash drafter for a frozen target; the target itself lives in `TargetFeatures`."""
-    # Anchors are drawn from a seed of each batch's place in the data stream (`batch["anchor_seed"]`, from
-    # `DFlashDataModule`), so a resumed run draws the same anchors as an uninterrupted one.
 
     def __init__(
         self,
