@@ -309,7 +309,7 @@ class DFlashModule(LightningModule):
             super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
         max_norm = float(gradient_clip_val) if gradient_clip_val and by_norm else math.inf
         norm = clip_grad_norm(self.trainer.model, optimizer, max_norm)
-        self.nonfinite_guard.skip_if_nonfinite(optimizer, norm, self.trainer.world_size)
+        self.nonfinite_guard.skip_if_nonfinite(optimizer, norm, self.trainer)
 
     def configure_optimizers(self) -> dict[str, Any]:
         optim = self.settings.optim

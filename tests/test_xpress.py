@@ -369,7 +369,7 @@ def test_fp8_leaves_the_refiner_in_high_precision(tiny_target, xpress_batch, mon
     if needs_cpu_fp8.args[0]:
         pytest.skip(needs_cpu_fp8.kwargs["reason"])
     pytest.importorskip("torchao")
-    monkeypatch.setattr("dflash_lightning.module.require_fp8", lambda *args: None)
+    monkeypatch.setattr("dflash_lightning.module_settings.require_fp8", lambda *args: None)
     base = xpress_module(tiny_target).to(torch.bfloat16)
     fp8 = xpress_module(tiny_target, fp8="all").to(torch.bfloat16)
     fp8.load_state_dict(base.state_dict())

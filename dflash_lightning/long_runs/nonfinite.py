@@ -85,12 +85,12 @@ class NonFiniteGuard(nn.Module):
         """The counts a measured step logs (last, so `check` finds them at the end of the host copy)."""
         return {"skipped_steps": self.counts[0], "skipped_in_a_row": self.counts[1]}
 
-    def skip_if_nonfinite(self, optimizer: torch.optim.Optimizer, grad_norm: Tensor, world_size: int) -> None:
+    def skip_if_nonfinite(self, optimizer: torch.optim.Optimizer, grad_norm: Tensor, trainer: Any) -> None:
         """Sets the fused optimizer's `found_inf` (as GradScaler does): a 1 skips the update, moments and step count."""
         bad = ~torch.isfinite(grad_norm.to(self.counts.device))
         if self.last_loss is not None:
             loss_bad = (~torch.isfinite(self.last_loss)).to(torch.int32)
-            if world_size > 1:
+            if trainer.world_size > 1:
                 torch.distributed.all_reduce(loss_bad, op=torch.distributed.ReduceOp.MAX)  # every rank skips alike
             bad = bad | loss_bad.bool()
         counts, hit = self.counts, bad.long()
