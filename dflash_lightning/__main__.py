@@ -17,10 +17,10 @@ if not torch.cuda.is_available():  # torchao (imported by transformers) logs CUD
 
 from lightning.fabric.utilities.exceptions import MisconfigurationException  # noqa: E402
 
-from dflash_lightning.cli import cli_main  # noqa: E402
+from dflash_lightning.commands.cli import cli_main  # noqa: E402
 from dflash_lightning.commands.console import quiet_lightning  # noqa: E402
 from dflash_lightning.long_runs.checkpointing import CheckpointError  # noqa: E402
-from dflash_lightning.module import NonFiniteError  # noqa: E402
+from dflash_lightning.long_runs.nonfinite import NonFiniteError  # noqa: E402
 from dflash_lightning.regenerate.openai_backend import ServerError  # noqa: E402
 from dflash_lightning.target_model.engine import EngineError  # noqa: E402
 

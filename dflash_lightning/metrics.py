@@ -6,10 +6,12 @@ Top-k hits are counted from the head's top-k token ids, never through a `[tokens
 from __future__ import annotations
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torchmetrics import Metric
 
 from dflash_lightning.blocks import FILL_IN, BlockLayout
+from dflash_lightning.model import DraftOutput
+from dflash_lightning.parts.base import Part
 
 
 class DraftMetrics(Metric):
@@ -56,3 +58,28 @@ class DraftMetrics(Metric):
         out["tau"] = 1 + self.accepted / self.blocks.clamp_min(1)
         out["tau_coarse"] = 1 + acc[0, self.draft_slots].cumprod(0).sum()
         return out
+
+
+class StageMetrics(nn.Module):
+    """One stage's metrics (train or val): the backbone's `DraftMetrics` and each part's own (`Part.metric`), by the
+    part's name."""
+
+    def __init__(self, block_size: int, topk: tuple[int, ...], layout: BlockLayout, parts: tuple[Part, ...]) -> None:
+        super().__init__()
+        self.base = DraftMetrics(block_size, topk, layout)
+        self.parts = nn.ModuleDict({p.name: m for p in parts if (m := p.metric(block_size)) is not None})
+
+    def update(self, out: DraftOutput) -> None:
+        """Feed one forward's results to the backbone's metrics and each part's."""
+        self.base.update(out.topk, out.labels, out.supervised)
+        for name, metric in self.parts.items():
+            metric.update(out.parts[name].rows, out.labels, out.supervised)
+
+    def compute(self) -> dict[str, Tensor]:
+        """The metric values (the backbone's, then each part's), and reset them."""
+        values = self.base.compute()
+        self.base.reset()
+        for metric in self.parts.values():
+            values |= metric.compute()
+            metric.reset()
+        return values

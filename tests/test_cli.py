@@ -10,7 +10,7 @@ import pytest
 import yaml
 from conftest import WORDS, make_target
 
-from dflash_lightning.cli import cli_main
+from dflash_lightning.commands.cli import cli_main
 
 CONFIGS = Path(__file__).parents[1] / "configs"
 

@@ -32,8 +32,9 @@ from dflash_lightning.folder.reader import import_folder
 from dflash_lightning.folder.serve import print_serve_commands, serve_commands
 from dflash_lightning.folder.writer import write_folder
 from dflash_lightning.hf.modeling_dflash import __all__ as REMOTE_CLASSES
+from dflash_lightning.long_runs.warm_start import warm_start
 from dflash_lightning.model import DFlashDrafter
-from dflash_lightning.module import DFlashModule, warm_start
+from dflash_lightning.module import DFlashModule
 from dflash_lightning.parts.base import calibrates, overrides
 from dflash_lightning.parts.convolutions import ConvSettings
 from dflash_lightning.parts.domino import DominoSettings
@@ -249,8 +250,8 @@ def test_every_parts_metric_names_carry_its_prefix_and_are_logged(tiny_target, f
     expected = set()
     for part in module.drafter_config.preset.parts:
         names = set(out.parts[part.name].logs)
-        if part.name in module.train_part_metrics:
-            metric = module.train_part_metrics[part.name]
+        if part.name in module.train_metrics.parts:
+            metric = module.train_metrics.parts[part.name]
             metric.update(out.parts[part.name].rows, out.labels, out.supervised)
             names |= set(metric.compute())
             metric.reset()

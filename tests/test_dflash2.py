@@ -147,7 +147,7 @@ def test_a_dflash_folder_warm_starts_dflash2_with_the_same_forward(tmp_path):
     from dataclasses import replace
 
     from dflash_lightning.folder.writer import write_folder
-    from dflash_lightning.module import warm_start
+    from dflash_lightning.long_runs.warm_start import warm_start
 
     dflash = tiny_drafter(block=4, gamma=4.0)  # random weights, norms off 1
     write_folder(dflash.config, {k: v.float() for k, v in dflash.state_dict().items()}, tmp_path / "hf")
@@ -232,7 +232,7 @@ def test_warm_start_refuses_a_selector_of_another_rank_naming_the_field(tmp_path
     from dataclasses import replace
 
     from dflash_lightning.folder.writer import write_folder
-    from dflash_lightning.module import warm_start
+    from dflash_lightning.long_runs.warm_start import warm_start
 
     source = DFlashDrafter(dflash2_config())
     write_folder(source.config, source.state_dict(), tmp_path / "hf")

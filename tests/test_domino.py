@@ -639,7 +639,7 @@ def test_fp8_follows_the_bf16_step(tiny_target, monkeypatch):
     pytest.importorskip("torchao")
     from test_module import batch_with_features
 
-    monkeypatch.setattr("dflash_lightning.module.require_fp8", lambda *args: None)
+    monkeypatch.setattr("dflash_lightning.module_settings.require_fp8", lambda *args: None)
     losses, state, batch = [], None, None
     for fp8 in ("none", "all"):
         module = stepped(tiny_target, fp8=fp8)

@@ -126,7 +126,7 @@ def losses(root: Path) -> list[float]:
 def test_a_fit_fed_by_the_engine_trains_the_same_drafter(engine, tmp_path):
     """50 steps of the tiny config, seed 0: the engine-fed run's loss curve is the in-process run's, within fp32
     noise (the features differ by ~1e-6)."""
-    from dflash_lightning.cli import cli_main
+    from dflash_lightning.commands.cli import cli_main
 
     curves = {}
     for placement in ("colocated", "engine"):

@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_faults import assets, fault_config, fit, good_checkpoints  # noqa: F401 (fixtures)
 
-from dflash_lightning.cli import cli_main
+from dflash_lightning.commands.cli import cli_main
 from dflash_lightning.config import ConfigError
 from dflash_lightning.long_runs.checkpointing import CheckpointError
 from dflash_lightning.long_runs.resume import RECORD_KEY, ResumeError

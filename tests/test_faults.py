@@ -24,7 +24,7 @@ from helpers import RANKS_START, end_ranks
 from lightning.pytorch import Callback
 from test_cli import CONFIGS, write_conversations
 
-from dflash_lightning.cli import cli_main
+from dflash_lightning.commands.cli import cli_main
 from dflash_lightning.folder.reader import read_drafter
 from dflash_lightning.folder.writer import ExportError, export_checkpoint
 from dflash_lightning.long_runs.checkpointing import (
@@ -35,8 +35,8 @@ from dflash_lightning.long_runs.checkpointing import (
     newest_complete_checkpoint,
 )
 from dflash_lightning.long_runs.distributed_checkpoint import save_distributed, shard_files
+from dflash_lightning.long_runs.nonfinite import NonFiniteError
 from dflash_lightning.long_runs.preemption import Preempted, Preemption
-from dflash_lightning.module import NonFiniteError
 
 ROOT = Path(__file__).parents[1]
 EVENTS: dict[str, list] = {}  # what the callbacks below saw, per test

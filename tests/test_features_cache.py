@@ -17,7 +17,7 @@ from test_cli import CONFIGS, write_conversations
 
 import dflash_lightning.data.feature_cache as fc
 import dflash_lightning.data.feature_cache_writer as fcw
-from dflash_lightning.cli import cli_main
+from dflash_lightning.commands.cli import cli_main
 from dflash_lightning.config import ConfigError, DrafterConfig
 from dflash_lightning.data import DFlashDataModule
 from dflash_lightning.data.feature_cache import FeatureCache, FeatureCacheError, dequantize, quantize_fp8
@@ -472,7 +472,7 @@ def check_cache_trains_a_part_offline(setup: dict, tmp_path: Path, args: list[st
     """`cache` with a part that reads the target's final hidden state (`args` name its variant) stores them by
     default and a 2-step fit reads them and moves every weight of the variant's parts; a cache without them is
     refused in one line naming the variant that reads them and the flag that writes them. The fit's CLI."""
-    from dflash_lightning.cli import cli_main
+    from dflash_lightning.commands.cli import cli_main
     from dflash_lightning.data.feature_cache import FeatureCache, FeatureCacheError
     from dflash_lightning.module import DFlashModule
 
@@ -510,7 +510,7 @@ def test_a_cache_written_for_xpress_holds_the_final_hidden_state_and_trains_it_o
 def test_domino_trains_from_a_cache_without_the_final_hidden_states(setup, tmp_path):
     """Domino reads the target's embedding and no final hidden state: a 2-step fit from the plain bf16 cache through
     the CLI, its curriculum over the Trainer's real total (lambda 1, then 0.5 at the second step)."""
-    from dflash_lightning.cli import cli_main
+    from dflash_lightning.commands.cli import cli_main
 
     cli = cli_main(["fit", "--config", setup["config"], f"--data.feature_cache={setup['root'] / 'bf16'}",
                     "--model.drafter.variant=domino", "--model.loss_weights=decay", "--model.metrics_every=1",

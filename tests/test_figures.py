@@ -10,7 +10,7 @@ import yaml
 from test_cli import run_config  # noqa: F401 (the module-scoped tiny run config)
 
 from dflash_lightning.blocks import build_block_mask, select_anchors
-from dflash_lightning.cli import cli_main
+from dflash_lightning.commands.cli import cli_main
 from dflash_lightning.data.packing import collate_documents
 from dflash_lightning.pictures.figures import (
     bars_figure,

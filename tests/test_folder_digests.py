@@ -74,7 +74,7 @@ def test_every_preset_folder_is_byte_identical_to_the_recorded_one(tmp_path):
 def test_a_checkpoint_written_by_an_older_tree_resumes_and_exports(tmp_path, monkeypatch):
     """tests/data/legacy's checkpoint (written at e822d71) exports to the folder it exported then, and resumes for a
     third step with its settings accepted."""
-    from dflash_lightning.cli import cli_main
+    from dflash_lightning.commands.cli import cli_main
     from dflash_lightning.folder.writer import export_checkpoint
     from dflash_lightning.long_runs.checkpointing import load_checkpoint
 

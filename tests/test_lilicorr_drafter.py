@@ -109,7 +109,7 @@ def lilicorr_run(tmp_path_factory):
     import yaml
     from test_cli import four_step_config
 
-    from dflash_lightning.cli import cli_main
+    from dflash_lightning.commands.cli import cli_main
 
     root = tmp_path_factory.mktemp("lilicorr")
     config = four_step_config(root)

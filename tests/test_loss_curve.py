@@ -51,7 +51,7 @@ def tiny_config(root: Path) -> dict:
 
 def run_curve() -> dict:
     """Fit the cut-down tiny default in a temporary folder: its settings and per-step `train/loss`."""
-    from dflash_lightning.cli import cli_main
+    from dflash_lightning.commands.cli import cli_main
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -15,7 +15,7 @@ import yaml
 from test_resume import fit_args, resume_config  # noqa: F401 (a fixture)
 
 from dflash_lightning.blocks import FILL_IN
-from dflash_lightning.cli import cli_main
+from dflash_lightning.commands.cli import cli_main
 from dflash_lightning.errors import ConfigError
 from dflash_lightning.long_runs.checkpointing import load_checkpoint
 from dflash_lightning.long_runs.resume import ResumeError

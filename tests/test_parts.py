@@ -111,7 +111,7 @@ def test_fp8_training_leaves_the_linears_a_part_reads_by_hand():
 
 
 def test_help_groups_each_parts_settings_with_their_docstrings(capsys):
-    from dflash_lightning.cli import cli_main
+    from dflash_lightning.commands.cli import cli_main
 
     with pytest.raises(SystemExit):
         cli_main(["fit", "--help"])

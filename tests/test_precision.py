@@ -10,7 +10,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from test_cli import run_config  # noqa: F401 (fixture)
 from test_module import batch_with_features, make_module
 
-from dflash_lightning.cli import cli_main
+from dflash_lightning.commands.cli import cli_main
 from dflash_lightning.config import ConfigError
 from dflash_lightning.fp8 import require_fp8
 from dflash_lightning.target_model import FeatureExtractor, TargetFeatures
@@ -85,7 +85,7 @@ def test_fp8_through_the_cli_on_cpu_stops_before_the_target_loads(run_config, mo
 def test_fp8_head_and_linears_follow_the_bf16_loss(tiny_target, monkeypatch):
     """torchao's FP8 path (its CPU fallback here): same parameter names, loss and gradient close to bf16."""
     pytest.importorskip("torchao")
-    monkeypatch.setattr("dflash_lightning.module.require_fp8", lambda *args: None)
+    monkeypatch.setattr("dflash_lightning.module_settings.require_fp8", lambda *args: None)
     torch.manual_seed(0)
     base = make_module(tiny_target).to(torch.bfloat16)
     fp8 = make_module(tiny_target, fp8="all").to(torch.bfloat16)
@@ -135,7 +135,7 @@ def test_served_decoding_sees_plain_linears_over_the_same_weights(tiny_target, m
     pytest.importorskip("torchao")
     from dflash_lightning.fp8 import without_fp8
 
-    monkeypatch.setattr("dflash_lightning.module.require_fp8", lambda *args: None)
+    monkeypatch.setattr("dflash_lightning.module_settings.require_fp8", lambda *args: None)
     module = make_module(tiny_target, fp8="all")
     plain = without_fp8(module.drafter)
     linears = [m for m in plain.modules() if isinstance(m, torch.nn.Linear)]

@@ -14,7 +14,7 @@ from helpers import assistant, user, write_jsonl
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import dflash_lightning.regenerate.generate as rg
-from dflash_lightning.cli import cli_main
+from dflash_lightning.commands.cli import cli_main
 
 NEW = 10  # max_new_tokens
 

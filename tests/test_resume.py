@@ -18,7 +18,7 @@ from conftest import fine_tune
 from test_cli import small_config
 
 from dflash_lightning.blocks import anchor_seed
-from dflash_lightning.cli import cli_main
+from dflash_lightning.commands.cli import cli_main
 from dflash_lightning.long_runs.checkpointing import _named_tensors, distributed_record, load_checkpoint
 from dflash_lightning.long_runs.resume import CONTENT, RECORD_KEY, ResumeError, compare
 from dflash_lightning.target_model.fingerprints import TargetChangedError

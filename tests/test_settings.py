@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from dflash_lightning.__main__ import FAILED_RUN
-from dflash_lightning.cli import cli_main
+from dflash_lightning.commands.cli import cli_main
 from dflash_lightning.config import ConfigError, DrafterConfig, check_unused_parts
 from dflash_lightning.decoding.validation import SpeculativeValidation
 from dflash_lightning.module import DFlashModule
@@ -212,6 +212,35 @@ def test_every_shipped_config_takes_any_variant_and_a_changed_setting_says_what_
 ])
 def test_module_numbers_are_refused_naming_the_field(values, line):
     assert refused(**values) == line
+
+
+def test_each_settings_group_checks_itself_naming_the_full_setting():
+    """A group refuses its own bad value without the module, naming `model.<field>` as the CLI spells it."""
+    from dflash_lightning.long_runs.nonfinite import NonFiniteSettings
+    from dflash_lightning.module_settings import MetricSettings, OptimizerSettings, StepSettings
+
+    for make, line in (
+        (lambda: OptimizerSettings(0.0, 0.0, (0.9, 0.95), 0.0, 0.0), "model.lr must be a finite number > 0, got 0.0"),
+        (lambda: StepSettings(16, 8, 1, 1), "model.token_budget (8) must be >= block_size (16)"),
+        (lambda: MetricSettings(0, (1,)), "model.metrics_every must be >= 1, got 0"),
+        (lambda: NonFiniteSettings("skip", 0), "model.max_nonfinite_in_a_row must be >= 1, got 0"),
+        (lambda: NonFiniteSettings("ignore", 16), "model.nonfinite must be skip or stop, got 'ignore'"),
+    ):
+        with pytest.raises(ConfigError) as err:
+            make()
+        assert str(err.value) == line
+
+
+def test_every_module_argument_has_its_help_once_in_a_settings_group():
+    """The CLI's help of each `--model.*` argument is written once, in its group's docstring (module_settings.py)."""
+    import inspect
+    import re
+
+    from dflash_lightning.module_settings import ARGS_HELP
+
+    arguments = [name for name in inspect.signature(DFlashModule.__init__).parameters if name != "self"]
+    assert sorted(re.findall(r"^    (\w+): \S", ARGS_HELP, re.MULTILINE)) == sorted(arguments)
+    assert DFlashModule.__init__.__doc__ == ARGS_HELP
 
 
 def test_spec_eval_numbers_are_refused_naming_the_field():

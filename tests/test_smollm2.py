@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflash_lightning.cli import cli_main
+from dflash_lightning.commands.cli import cli_main
 from dflash_lightning.target_model import smollm2
 
 ROOT = Path(__file__).parents[1]

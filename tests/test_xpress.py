@@ -369,7 +369,7 @@ def test_fp8_leaves_the_refiner_in_high_precision(tiny_target, xpress_batch, mon
     if needs_cpu_fp8.args[0]:
         pytest.skip(needs_cpu_fp8.kwargs["reason"])
     pytest.importorskip("torchao")
-    monkeypatch.setattr("dflash_lightning.module.require_fp8", lambda *args: None)
+    monkeypatch.setattr("dflash_lightning.module_settings.require_fp8", lambda *args: None)
     base = xpress_module(tiny_target).to(torch.bfloat16)
     fp8 = xpress_module(tiny_target, fp8="all").to(torch.bfloat16)
     fp8.load_state_dict(base.state_dict())
@@ -526,8 +526,8 @@ def test_import_folder_reads_speculators_own_xpress_folder(tiny_target, tmp_path
 
     from dflash_lightning.config import DrafterConfig
     from dflash_lightning.folder.reader import import_folder
+    from dflash_lightning.long_runs.warm_start import warm_start
     from dflash_lightning.model import DFlashDrafter
-    from dflash_lightning.module import warm_start
     from dflash_lightning.target_model import load_target_config, tokenizer_ids
 
     settings = XPressSettings(rank=16, mlp_hidden=64, num_passes=4)
@@ -575,8 +575,8 @@ def test_warm_start_from_an_xpress_drafter_of_another_shape_is_refused_naming_th
 
     from dflash_lightning.config import DrafterConfig
     from dflash_lightning.folder.writer import write_folder
+    from dflash_lightning.long_runs.warm_start import warm_start
     from dflash_lightning.model import DFlashDrafter
-    from dflash_lightning.module import warm_start
     from dflash_lightning.target_model import load_target_config, tokenizer_ids
 
     def drafter(**settings):

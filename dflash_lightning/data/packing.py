@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import TypedDict
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 
 class PackedBatch(TypedDict):
@@ -175,3 +175,36 @@ class EpochPacker:
         rows = list(self.first)
         random.Random(f"{self.seed + epoch}/reuse").shuffle(rows)
         return split_rows(rows, self.rows_per_epoch)
+
+
+BATCH_KEYS = ("input_ids", "position_ids", "doc_ids", "loss_mask")
+
+
+class StepBuffers(nn.Module):
+    """Persistent fixed-shape inputs of the training step (static addresses for CUDA graphs)."""
+
+    def __init__(
+        self, token_budget: int, feature_dim: int, slot_weights: Tensor, final_dim: int = 0,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        t = token_budget
+        self.register_buffer("input_ids", torch.zeros(t, dtype=torch.long), persistent=False)
+        self.register_buffer("position_ids", torch.zeros(t, dtype=torch.long), persistent=False)
+        self.register_buffer("doc_ids", torch.full((t,), -1, dtype=torch.int32), persistent=False)
+        self.register_buffer("loss_mask", torch.zeros(t, dtype=torch.bool), persistent=False)
+        self.register_buffer("features", torch.zeros(t, feature_dim, dtype=dtype), persistent=False)  # [T, K*H]
+        self.register_buffer("slot_weights", slot_weights, persistent=False)  # [B]
+        # The target's final normed hidden states, the teacher of distillation; absent for plain CE.
+        final = torch.zeros(t, final_dim, dtype=dtype) if final_dim else None  # [T, H]
+        self.register_buffer("final_hidden", final, persistent=False)
+
+    def load(self, batch: dict[str, Tensor]) -> None:
+        """Copy one packed batch in; a batch of another shape is refused with the field named."""
+        keys = (*BATCH_KEYS, "features", *(("final_hidden",) if self.final_hidden is not None else ()))
+        for key in keys:
+            src = batch["context_features" if key == "features" else key]
+            dst = getattr(self, key)
+            if src.shape != dst.shape:
+                raise ValueError(f"batch field '{key}' has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
+            dst.copy_(src, non_blocking=True)

@@ -10,7 +10,9 @@ import logging
 from dataclasses import asdict, is_dataclass
 from typing import Any
 
-from dflash_lightning.config import ConfigError
+from lightning.pytorch.trainer.states import TrainerFn
+
+from dflash_lightning.config import ConfigError, DrafterConfig, upgrade_record
 from dflash_lightning.long_runs import lightning_compat as compat
 from dflash_lightning.target_model.fingerprints import check_same_target, target_fingerprint, tokenizer_sha256
 
@@ -78,6 +80,57 @@ def run_record(module: Any) -> dict[str, Any]:
                    "trainer.global_batch": world * accumulate, "trainer.max_steps": trainer.max_steps,
                    "trainer.max_epochs": trainer.max_epochs, "trainer.precision": str(trainer.precision)}
     return _plain(record)
+
+
+class RunRecord:
+    """A `DFlashModule`'s run record (made once in a Trainer: the target is fingerprinted), written into each checkpoint
+    beside the resolved drafter config and the precision, and checked against the record of a checkpoint resumed."""
+
+    def __init__(self) -> None:
+        self._record: dict[str, Any] | None = None
+
+    def __call__(self, module: Any) -> dict[str, Any]:
+        """This run's settings as a checkpoint records them."""
+        trainer = compat.attached_trainer(module)
+        if self._record is None or trainer is None:  # data and layout are known once in a Trainer
+            record = run_record(module)
+            if trainer is None:
+                return record
+            self._record = record
+        return self._record
+
+    def save(self, module: Any, checkpoint: dict[str, Any]) -> None:
+        """What a checkpoint carries beside the weights and the loops."""
+        # The resolved drafter config lets export and evaluation work without re-reading the target.
+        checkpoint["drafter_config"] = module.drafter_config.to_dict()
+        checkpoint[RECORD_KEY] = self(module)
+        trainer = compat.attached_trainer(module)
+        if trainer is not None:  # export serves the drafter in the dtype it was trained in
+            checkpoint["precision"] = str(trainer.precision)
+
+    def check(self, module: Any, checkpoint: dict[str, Any]) -> bool:
+        """Refuse a checkpoint of a run that trained something else (before its weights are loaded); whether a fit
+        resumes from it. On another number of ranks (the global batch kept) the loop's per-rank batch counts are
+        rescaled."""
+        trainer, hp = compat.attached_trainer(module), module.hparams
+        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        saved = upgrade_record(checkpoint.get(RECORD_KEY))  # an older version's flat part fields moved
+        if isinstance(checkpoint.get("drafter_config"), dict):
+            checkpoint["drafter_config"] = DrafterConfig.from_dict(checkpoint["drafter_config"]).to_dict()
+        path = getattr(trainer, "ckpt_path", None)
+        if saved is not None:
+            saved = {"model.stage": "sft", **saved}  # written before stages: supervised
+            if fitting and saved["model.stage"] != hp.stage:
+                raise ResumeError(
+                    f"cannot resume from {path}: its run trained stage {saved['model.stage']!r}, this one is "
+                    f"{hp.stage!r}; a new stage starts from the last one's weights in a new run folder, "
+                    f"with --model.init_from={path}")
+        check_resume(saved, self(module), path, fitting, hp.accept_target_change)
+        check_weights(checkpoint, module.state_dict(), module.drafter_config.to_dict(), path)
+        if fitting and saved is not None:
+            check_step_boundary(checkpoint, path)
+            rescale_loop_progress(checkpoint, saved.get("trainer.world_size", trainer.world_size), trainer.world_size)
+        return fitting
 
 
 def _matches(key: str, fields: tuple[str, ...]) -> bool:
