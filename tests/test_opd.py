@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
-from test_resume import fit_args, resume_config  # noqa: F401 (a fixture)
+from test_resume import fit_args, fit_layout, recording, resume_config  # noqa: F401 (a fixture)
 
-from dflash_lightning.blocks import FILL_IN
+from dflash_lightning.blocks import FILL_IN, anchor_seed
 from dflash_lightning.cli import cli_main
 from dflash_lightning.errors import ConfigError
 from dflash_lightning.long_runs.checkpointing import load_checkpoint
@@ -300,3 +300,23 @@ def test_the_ab_recipes_start_each_arm_from_the_400_step_supervised_run(tmp_path
     start = str(tmp_path / "dflash-dpace-ce-steps400-seed0/checkpoints/last.ckpt")
     assert all(r["settings"]["model.init_from"] == start for r in runs)
     assert [r["settings"].get("model.stage") for r in runs] == [None, "opd", "opd"]
+
+
+def test_two_ddp_ranks_roll_out_their_own_rows_and_keep_equal_weights(stage_config, tmp_path):
+    """`--trainer.strategy=ddp --trainer.devices=2` (gloo, two processes as a user starts them), 3 OPD steps of one
+    row per rank: each step's two rows (their documents, anchors and so drafts, keyed by `anchor_seed`) differ
+    between the ranks and together are the global batch, every row of the epoch once; after every step both ranks
+    hold the same weights, which the steps changed."""
+    config, sft = stage_config
+    run = tmp_path / "ddp"
+    fit_layout(config, run, "ddp x2", *recording(run)[1:], "--model.stage=opd", f"--model.init_from={sft}",
+               "--trainer.max_steps=3")
+    where = {anchor_seed(0, "train", 0, i): i for i in range(32)}  # the row's index in epoch 0's global stream
+    rows = {rank: [line.split() for line in (run / f"rank{rank}.txt").read_text().splitlines()] for rank in (0, 1)}
+    by_step = [[where[int(rows[rank][step][1])] for rank in (0, 1)] for step in range(3)]
+    assert all(int(rows[r][s][2]) == s for r in (0, 1) for s in range(3))
+    assert sorted(i for pair in by_step for i in pair) == list(range(6))  # disjoint, and each step its global batch
+    digests = [line.split() for line in (run / "weights.txt").read_text().splitlines()]
+    by_rank_step = {step: {d for s, d in digests if int(s) == step} for step in (1, 2, 3)}
+    assert len(digests) == 6 and all(len(d) == 1 for d in by_rank_step.values()), digests  # the ranks agree
+    assert len(set.union(*by_rank_step.values())) == 3  # and every step moved them
