@@ -220,6 +220,8 @@ def test_variants_the_stage_cannot_train_are_refused_naming_why(stage_config, tm
     (["--model.opd.gamma=0.5"], r"model.opd: read only with model.stage=opd"),
     (["--model.stage=opd"], r"model.stage=opd refines a trained drafter: name it with model.init_from"),
     (["--model.stage=opd", "--model.opd.gamma=0", "--model.init_from=X"], r"model.opd.gamma must be in \(0, 1\]"),
+    (["--model.stage=opd", "--model.opd.sft_weight=-1", "--model.init_from=X"],
+     r"model.opd.sft_weight must be a finite number >= 0, got -1"),
 ])
 def test_settings_the_stage_cannot_use_are_refused(stage_config, tmp_path, args, message):
     config, _ = stage_config
@@ -238,6 +240,22 @@ def test_the_approximation_needs_no_replay_and_differs_from_it(stage_config, tmp
                           f"--model.opd.replay={replay_on}"))
         losses[replay_on] = float(logged(run)[0]["train/loss"])
     assert losses["true"] != losses["false"]
+
+
+def test_the_sft_term_adds_the_supervised_loss_of_the_same_blocks(stage_config, tmp_path):
+    """--model.opd.sft_weight=w: a step's loss is the paper's loss (w 0) plus w times the supervised stage's loss of
+    the same batch and anchors (logged as opd/sft), that of a supervised step from the same drafter."""
+    config, sft = stage_config
+    first = {}
+    for name, args in {"opd": ["--model.stage=opd"], "mixed": ["--model.stage=opd", "--model.opd.sft_weight=0.5"],
+                       "sft": []}.items():
+        cli_main(fit_args(config, tmp_path / name, f"--model.init_from={sft}", "--trainer.max_steps=1", *args))
+        first[name] = logged(tmp_path / name)[0]
+    supervised = float(first["mixed"]["train/opd/sft"])
+    assert supervised == pytest.approx(float(first["sft"]["train/loss"]), rel=1e-5)
+    assert float(first["mixed"]["train/loss"]) == pytest.approx(float(first["opd"]["train/loss"]) + 0.5 * supervised,
+                                                                rel=1e-5)
+    assert "train/opd/sft" not in first["opd"] or not first["opd"]["train/opd/sft"]
 
 
 def test_slot_kls_chunks_equal_one_pass():
