@@ -168,6 +168,11 @@ RECIPES["dflash-dpace-ce"] = OPD_BASE
 RECIPES["sft-continued"] = {**OPD_BASE, "model.init_from": "@dflash-dpace-ce/400", "model.lr": 1.5e-3}
 RECIPES["opd"] = {**RECIPES["sft-continued"], "model.stage": "opd"}
 RECIPES["opd-approx"] = {**RECIPES["opd"], "model.opd.replay": False}
+# the stage tuned toward continued supervision: a third of the lr, the rejected slots' term at a quarter of the
+# accepted's, and the supervised loss kept beside the stage's (model.opd.sft_weight)
+RECIPES["opd-lr5e-4"] = {**RECIPES["opd"], "model.lr": 5e-4}
+RECIPES["opd-tuned"] = {**RECIPES["opd-lr5e-4"], "model.opd.lambda_rej": 0.25, "model.opd.sft_weight": 1.0}
+RECIPES["opd-tuned-lr1.5e-3"] = {**RECIPES["opd-tuned"], "model.lr": 1.5e-3}
 PROMPTS = "dflash_lightning/assets/tiny/data/prompts.jsonl"
 
 
@@ -261,10 +266,10 @@ def _one_run(name: str, seed: int, work: Path, base: dict, config_name: str, thr
     if record_path.exists() and (fit_only or report_path.exists()):
         return json.loads(record_path.read_text())
     for key, value in settings.items():  # "@recipe[/steps]": that recipe's last checkpoint of this seed (of these
-        if isinstance(value, str) and value.startswith("@"):  # steps, else this run's), fit first if absent
-            source, _, of = value[1:].partition("/")
+        if isinstance(value, str) and value.startswith("@"):  # steps, else this run's), fit first if absent (fit
+            source, _, of = value[1:].partition("/")  # only: name it in --recipes to evaluate it too)
             of = int(of) if of else steps
-            one_run(source, seed, work, base, config_name, threads, device, temperatures, of, fit_only, extra,
+            one_run(source, seed, work, base, config_name, threads, device, temperatures, of, True, extra,
                     prompts, evaluate_args)
             settings[key] = str(work / run_name(source, seed, of) / "checkpoints/last.ckpt")
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -215,6 +215,8 @@ class DraftOutput:
     """Top-k predicted tokens of every slot, best first.  # [A, B, k]"""
     parts: dict[str, PartOutput] = field(default_factory=dict)
     """Each part's results (its logs and metric inputs), by the part's name."""
+    hidden: Tensor | None = None
+    """Final-normed hidden state of every slot, with its graph (the OPD stage drafts from it).  # [A, B, H]"""
 
 
 class DFlashDrafter(nn.Module):
@@ -373,6 +375,7 @@ class DFlashDrafter(nn.Module):
             loss=loss, ce=ce / weight_sum, weights=_with_slot_0(used.view(-1, B - first), 0.0, first),
             supervised=weights > 0, labels=labels,
             topk=None if top is None else _with_slot_0(top.unflatten(0, (-1, B - first)), -1, first), parts=outputs,
+            hidden=hidden,
         )
 
     def logits(self, hidden: Tensor) -> Tensor:

@@ -237,7 +237,13 @@ class DFlashModule(LightningModule):
         B, layout = cfg.block_size, cfg.layout
         anchors, valid = select_anchors(buf.loss_mask, buf.doc_ids, hp.num_anchors, generator)
         start = time.perf_counter()
-        hidden = drafter.block_hidden(buf.features, buf.input_ids, buf.position_ids, buf.doc_ids, anchors, valid)
+        sft_weight = self.opd_settings.sft_weight
+        if sft_weight:  # the supervised loss of the same blocks, beside the stage's: one drafter forward for both
+            sft = drafter(buf.features, buf.input_ids, buf.position_ids, buf.doc_ids, buf.loss_mask, anchors, valid,
+                          buf.slot_weights, 0, buf.final_hidden)
+            hidden = sft.hidden
+        else:
+            hidden = drafter.block_hidden(buf.features, buf.input_ids, buf.position_ids, buf.doc_ids, anchors, valid)
         head = drafter.head_weight
         rollout = time.perf_counter()
         # The drafting rule: slot k's argmax is draft k (k >= 1); slot 0 is the anchor's own token.  # [A, B]
@@ -259,6 +265,9 @@ class DFlashModule(LightningModule):
         predicts = (torch.arange(B, device=anchors.device) >= layout.first_slot).float()
         supervised = block_labels(buf.input_ids, buf.loss_mask, buf.doc_ids, anchors, valid, predicts, layout)[1] > 0
         loss, logs = opd_loss(forward_kl, reverse_kl, accepted, supervised, self.opd_settings)
+        if sft_weight:
+            loss = loss + sft_weight * sft.loss
+            logs["opd/sft"] = sft.loss.detach()
         blocks = valid.sum().clamp_min(1)
         logs |= {"opd/tau": 1 + (accepted & supervised).sum() / blocks,  # greedy verification's, on-policy
                  "opd/rollout_s": torch.tensor(rollout, device=loss.device),  # beside device values: one copy

@@ -187,7 +187,7 @@ class StageSettings:
             block, the target's distributions given the draft's tokens, greedy verification's accept mask,
             forward KL on accepted slots and decayed reverse KL on rejected ones. Validation keeps the `sft`
             objective, so the stages compare. Recorded in checkpoints: a resume cannot switch it.
-        opd: The `opd` stage's settings (gamma, lambda_acc, lambda_rej, replay).
+        opd: The `opd` stage's settings (gamma, lambda_acc, lambda_rej, replay, sft_weight).
         init_from: Warm start: a drafter `.ckpt` or exported folder (ours or published) whose weights start this
             run. A drafter may start a run of another variant whose backbone is its own: the parts it lacks
             start at their initialisation (convolutions as the identity, so at step 0 the backbone computes

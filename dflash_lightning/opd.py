@@ -38,12 +38,15 @@ class OPDSettings:
     """True: every slot's target distribution is conditioned on the draft's own tokens (one target forward of the
     row and all its draft blocks); false: taken from the row's own continuation (the target's final hidden states of
     the data, no extra forward), exact up to a block's first rejection and approximate after it."""
+    sft_weight: float = 0.0
+    """Weight of the supervised loss kept beside the stage's: L = L_OPD + sft_weight * L_SFT, L_SFT the supervised
+    stage's objective (`model.objective`, `model.loss_weights`) on the same blocks; 0, the paper's loss."""
 
     def check(self) -> None:
         """Refuse values outside their range, naming the field."""
         if not 0 < self.gamma <= 1:
             raise ConfigError(f"model.opd.gamma must be in (0, 1], got {self.gamma}")
-        for name in ("lambda_acc", "lambda_rej"):
+        for name in ("lambda_acc", "lambda_rej", "sft_weight"):
             value = getattr(self, name)
             if not 0 <= value < math.inf:
                 raise ConfigError(f"model.opd.{name} must be a finite number >= 0, got {value}")

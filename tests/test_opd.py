@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
-from test_resume import fit_args, resume_config  # noqa: F401 (a fixture)
+from test_resume import fit_args, fit_layout, recording, resume_config  # noqa: F401 (a fixture)
 
-from dflash_lightning.blocks import FILL_IN
+from dflash_lightning.blocks import FILL_IN, anchor_seed
 from dflash_lightning.commands.cli import cli_main
 from dflash_lightning.errors import ConfigError
 from dflash_lightning.long_runs.checkpointing import load_checkpoint
@@ -220,6 +220,8 @@ def test_variants_the_stage_cannot_train_are_refused_naming_why(stage_config, tm
     (["--model.opd.gamma=0.5"], r"model.opd: read only with model.stage=opd"),
     (["--model.stage=opd"], r"model.stage=opd refines a trained drafter: name it with model.init_from"),
     (["--model.stage=opd", "--model.opd.gamma=0", "--model.init_from=X"], r"model.opd.gamma must be in \(0, 1\]"),
+    (["--model.stage=opd", "--model.opd.sft_weight=-1", "--model.init_from=X"],
+     r"model.opd.sft_weight must be a finite number >= 0, got -1"),
 ])
 def test_settings_the_stage_cannot_use_are_refused(stage_config, tmp_path, args, message):
     config, _ = stage_config
@@ -238,6 +240,22 @@ def test_the_approximation_needs_no_replay_and_differs_from_it(stage_config, tmp
                           f"--model.opd.replay={replay_on}"))
         losses[replay_on] = float(logged(run)[0]["train/loss"])
     assert losses["true"] != losses["false"]
+
+
+def test_the_sft_term_adds_the_supervised_loss_of_the_same_blocks(stage_config, tmp_path):
+    """--model.opd.sft_weight=w: a step's loss is the paper's loss (w 0) plus w times the supervised stage's loss of
+    the same batch and anchors (logged as opd/sft), that of a supervised step from the same drafter."""
+    config, sft = stage_config
+    first = {}
+    for name, args in {"opd": ["--model.stage=opd"], "mixed": ["--model.stage=opd", "--model.opd.sft_weight=0.5"],
+                       "sft": []}.items():
+        cli_main(fit_args(config, tmp_path / name, f"--model.init_from={sft}", "--trainer.max_steps=1", *args))
+        first[name] = logged(tmp_path / name)[0]
+    supervised = float(first["mixed"]["train/opd/sft"])
+    assert supervised == pytest.approx(float(first["sft"]["train/loss"]), rel=1e-5)
+    assert float(first["mixed"]["train/loss"]) == pytest.approx(float(first["opd"]["train/loss"]) + 0.5 * supervised,
+                                                                rel=1e-5)
+    assert "train/opd/sft" not in first["opd"] or not first["opd"]["train/opd/sft"]
 
 
 def test_slot_kls_chunks_equal_one_pass():
@@ -300,3 +318,23 @@ def test_the_ab_recipes_start_each_arm_from_the_400_step_supervised_run(tmp_path
     start = str(tmp_path / "dflash-dpace-ce-steps400-seed0/checkpoints/last.ckpt")
     assert all(r["settings"]["model.init_from"] == start for r in runs)
     assert [r["settings"].get("model.stage") for r in runs] == [None, "opd", "opd"]
+
+
+def test_two_ddp_ranks_roll_out_their_own_rows_and_keep_equal_weights(stage_config, tmp_path):
+    """`--trainer.strategy=ddp --trainer.devices=2` (gloo, two processes as a user starts them), 3 OPD steps of one
+    row per rank: each step's two rows (their documents, anchors and so drafts, keyed by `anchor_seed`) differ
+    between the ranks and together are the global batch, every row of the epoch once; after every step both ranks
+    hold the same weights, which the steps changed."""
+    config, sft = stage_config
+    run = tmp_path / "ddp"
+    fit_layout(config, run, "ddp x2", *recording(run)[1:], "--model.stage=opd", f"--model.init_from={sft}",
+               "--trainer.max_steps=3")
+    where = {anchor_seed(0, "train", 0, i): i for i in range(32)}  # the row's index in epoch 0's global stream
+    rows = {rank: [line.split() for line in (run / f"rank{rank}.txt").read_text().splitlines()] for rank in (0, 1)}
+    by_step = [[where[int(rows[rank][step][1])] for rank in (0, 1)] for step in range(3)]
+    assert all(int(rows[r][s][2]) == s for r in (0, 1) for s in range(3))
+    assert sorted(i for pair in by_step for i in pair) == list(range(6))  # disjoint, and each step its global batch
+    digests = [line.split() for line in (run / "weights.txt").read_text().splitlines()]
+    by_rank_step = {step: {d for s, d in digests if int(s) == step} for step in (1, 2, 3)}
+    assert len(digests) == 6 and all(len(d) == 1 for d in by_rank_step.values()), digests  # the ranks agree
+    assert len(set.union(*by_rank_step.values())) == 3  # and every step moved them
