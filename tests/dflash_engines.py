@@ -32,6 +32,7 @@ import sys
 import types
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -63,14 +64,15 @@ class ContextAttention(torch.nn.Module):
                     self.head_dim)
 
 
-def drafts_of(config: dict, logits: torch.Tensor, propose) -> torch.Tensor | None:
-    """Greedy drafts of slots 1..B-1: the argmax (DFlash), or the engine's own selector (DFlash2); None for the
-    variants whose heads draft (their own engine tests run those heads)."""
-    if config["architectures"] == ["DFlashDraftModel"]:
-        return logits[1:].argmax(-1)
-    if config["architectures"] == ["DFlash2DraftModel"]:
-        return propose()
-    return None
+def drafts_of(rules: dict, config: dict, logits: torch.Tensor) -> dict:
+    """Greedy drafts of one block by the engine's rule for the folder's variant (`rules`: architecture, or "domino",
+    -> a function giving the drafts and, DSpark's, the confidences); the argmax of slots 1..B-1 where the engine
+    has no rule of its own (DFlash)."""
+    name = "domino" if config.get("dflash_config", {}).get("projector_type") == "domino" else config["architectures"][0]
+    if name == "DFlashDraftModel":
+        return {"drafts": logits[1:].argmax(-1), "confidence": None}
+    drafts = rules[name]()
+    return drafts if isinstance(drafts, dict) else {"drafts": drafts, "confidence": None}
 
 
 def run_dflash(case: dict) -> dict:
@@ -89,9 +91,9 @@ def run_dflash(case: dict) -> dict:
         hidden = model(position_ids=torch.arange(n + b)[None], noise_embedding=x["embed"][x["block"]][None],
                        target_hidden=x["features"][None])[0]
         logits = model.compute_logits(hidden, head)
-        drafts = drafts_of(config, logits,
-                           lambda: model.propose(hidden[None, 1:], x["block"][:1], head, 0.0)[0][0])
-    return {"hidden": hidden, "logits": logits, "drafts": drafts, "missing": sorted(info["missing_keys"]),
+        propose = lambda: model.propose(hidden[None, 1:], x["block"][:1], head, 0.0)[0][0]  # noqa: E731
+        drafts = drafts_of({"DFlash2DraftModel": propose}, config, logits)
+    return {"hidden": hidden, "logits": logits, **drafts, "missing": sorted(info["missing_keys"]),
             "unexpected": sorted(info["unexpected_keys"]) + [str(m) for m in info["mismatched_keys"]]}
 
 
@@ -101,11 +103,13 @@ SGLANG_MODULES = {"DFlashDraftModel": "dflash", "DFlash2DraftModel": "dflash", "
 
 
 def run_sglang(case: dict) -> dict:
-    """SGLang 0.5.23: its DFlashDraftModel / DFlash2DraftModel (by the folder's architecture, as its EntryClass),
-    load_weights, the context K/V as its worker writes them, its forward, its selector's greedy walk."""
+    """SGLang 0.5.23: its draft model class of the folder's architecture (its EntryClass), load_weights, the context
+    K/V as its worker writes them, its forward, and its worker's greedy drafting of the variant (DFlash2's selector,
+    LiLiCorr's propose_lilicorr_block, DSpark's Markov block and confidence, Domino's domino_greedy_rollout)."""
     import domino_engines
 
     domino_engines.prepare()
+    from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead
     from sglang.srt.runtime_context import reset_context
     from sglang.srt.server_args import ServerArgs
     from sglang.test.parallel_groups import publish
@@ -133,21 +137,58 @@ def run_sglang(case: dict) -> dict:
                        input_embeds=x["embed"][x["block"]]).hidden_states
         logits = hidden @ x["head"].T  # the target's head (SGLang's DFlash model has none of its own)
 
-        def propose() -> torch.Tensor:
-            model.lm_head = torch.nn.Linear(x["head"].shape[1], x["head"].shape[0], bias=False)
-            model.lm_head.weight.data = x["head"]
-            model.lm_head.org_vocab_size = x["head"].shape[0]
+        lm_head = ParallelLMHead(x["head"].shape[0], x["head"].shape[1])  # the target's, as the worker attaches it
+        lm_head.weight.copy_(x["head"])
+        model.lm_head = lm_head
+        embed = torch.nn.Embedding.from_pretrained(x["embed"])
+        anchor = x["block"][:1]
+
+        def dflash2() -> torch.Tensor:
             ids, vals = model.compute_candidates(hidden[1:])
             scores = model.candidate_selector.build_lattice(candidate_ids=ids[None], unary_logits=vals[None],
-                                                            hidden_states=hidden[None, 1:],
-                                                            anchor_token_ids=x["block"][:1])
+                                                            hidden_states=hidden[None, 1:], anchor_token_ids=anchor)
             tokens, _ = model.candidate_selector.sample_path(
                 candidate_ids=ids[None], scores=scores, uniforms=torch.zeros(1, b - 1),
                 temperatures=torch.ones(1), greedy_mask=torch.ones(1, dtype=torch.bool))
             return tokens[0]
 
-        drafts = drafts_of(config, logits, propose)
-    return {"hidden": hidden, "logits": logits, "drafts": drafts, "missing": missing, "unexpected": unexpected}
+        def lilicorr() -> torch.Tensor:
+            """The worker's propose_lilicorr_block, its anchor the last context row (publish_anchor)."""
+            from sglang.srt.speculative.lilicorr_utils import propose_lilicorr_block
+
+            return propose_lilicorr_block(head=model.lilicorr, draft_hidden=hidden[None], lm_head=lm_head,
+                                          embed_tokens=embed, anchor=ctx[-1:])[0][0]
+
+        def dspark() -> dict:
+            """DsparkDraftSampler's greedy block (anchor-first: every slot drafts): compute_base_logits, the Markov
+            steps of draft_markov_block (their torch path), compute_confidence."""
+            from sglang.srt.distributed import get_tp_group
+            from sglang.srt.speculative.dspark_components.dspark_draft import DraftNoise, draft_markov_block
+            from sglang.srt.speculative.spec_tp_sync import SpecTpSync
+
+            assert model.sample_from_anchor
+            get_tp_group().all_gather = lambda tensor, dim=-1: tensor  # one rank (publish's group has no collectives)
+            base, features = model.compute_base_logits(hidden)
+            tokens, _ = draft_markov_block(
+                markov_head=model.markov_head, base_logits=base[None], anchor_tokens=anchor, draft_hidden=hidden[None],
+                step_temperatures=torch.zeros(1), noise=DraftNoise(key=0, offset=torch.zeros(1, dtype=torch.int64)),
+                tp_sync=SpecTpSync(SimpleNamespace(world_size=1, rank_in_group=0)), greedy_draft=True)
+            confidence, _ = model.compute_confidence(anchor_tokens=anchor, draft_tokens=tokens,
+                                                     confidence_features=features[None])
+            return {"drafts": tokens[0], "confidence": confidence[0]}
+
+        def domino() -> torch.Tensor:
+            """domino_greedy_rollout with the pool of the printed command (SGLang's default where it names none)."""
+            from sglang.srt.speculative.domino_utils import domino_greedy_rollout
+
+            return domino_greedy_rollout(
+                draft_hidden=hidden[None], bonus_tokens=anchor, target_embedding=embed, lm_head_weight=x["head"],
+                prefix_gru=model.prefix_gru, embed_proj=model.embed_proj, vocab_size=x["head"].shape[0],
+                shift_label=bool(model.shift_label), candidate_pool_size=case["sglang_pool"], in_cuda_graph=False)[0]
+
+        drafts = drafts_of({"DFlash2DraftModel": dflash2, "LiLiCorrDraftModel": lilicorr, "Qwen3DSparkModel": dspark,
+                            "domino": domino}, config, logits)
+    return {"hidden": hidden, "logits": logits, **drafts, "missing": missing, "unexpected": unexpected}
 
 
 class VllmAttention(ContextAttention):
@@ -253,18 +294,48 @@ def run_vllm(case: dict) -> dict:
             if method is not None:
                 method.process_weights_after_loading(module)
         model.process_weights_after_loading()
-        model.precompute_and_store_context_kv(model.combine_hidden_states(x["features"]), torch.arange(n),
-                                              torch.arange(n))
+        context = model.combine_hidden_states(x["features"])
+        model.precompute_and_store_context_kv(context, torch.arange(n), torch.arange(n))
         hidden = model(x["block"], torch.arange(n, n + b))
         logits = model.compute_logits(hidden)
 
-        def propose() -> torch.Tensor:
+        anchor = x["block"][:1]
+
+        def dflash2() -> torch.Tensor:
             ids, unary = model.compute_candidates(hidden[1:])
-            scores = model.model.candidate_selector(ids[None], unary[None], hidden[None, 1:], x["block"][:1])
+            scores = model.model.candidate_selector(ids[None], unary[None], hidden[None, 1:], anchor)
             return walk_from_row_zero(scores, ids[None])[0]
 
-        drafts = drafts_of(config, logits, propose)
-    return {"hidden": hidden, "logits": logits, "drafts": drafts, "missing": missing, "unexpected": unexpected}
+        def lilicorr() -> torch.Tensor:
+            """LiLiCorrSpeculator: its anchor (prepare_context_anchor: hidden_norm of the last context row), its
+            _score_candidates, the walk of DFlash2's."""
+            ids, log_probs = model.compute_candidates(hidden[1:])
+            scores = model.model.lilicorr(model.model.embed_tokens(ids)[None], log_probs[None], hidden[None, 1:],
+                                          model.model.hidden_norm(context[-1:]), torch.ones(1, dtype=torch.bool))
+            return walk_from_row_zero(scores, ids[None])[0]
+
+        def dspark() -> dict:
+            """DSparkSpeculator._sample_markov_chain, greedy (no draft logits: greedy_argmax, whose CPU path is an
+            argmax), anchor-first: every slot drafts."""
+            base, prev, tokens, embeds = model.compute_draft_logits(hidden), anchor, [], []
+            for i in range(b):
+                embeds.append(model.markov_embed(prev))
+                prev = (base[i : i + 1] + model.markov_bias(embeds[-1])).argmax(-1)
+                tokens.append(model.map_draft_to_target(prev))
+            return {"drafts": torch.cat(tokens), "confidence": model.compute_confidence(hidden, torch.cat(embeds))}
+
+        def xpress() -> torch.Tensor:
+            """XPressSpeculator._jacobi_refine: the refiner's Jacobi passes (its Triton kernels, interpreted) over
+            the whole block, the anchor standing in for its predecessor."""
+            passes = int(getattr(spec.draft_model_config.hf_config, "xpress_num_passes", 6))
+            model.model.xpress_head.process_weights_after_loading()  # the fused copies its kernels index
+            draft, _ = model.model.xpress_head.jacobi_refine_greedy(model.compute_draft_logits(hidden[None]),
+                                                                    hidden[None], anchor, anchor, passes)
+            return draft[0]
+
+        drafts = drafts_of({"DFlash2DraftModel": dflash2, "LiLiCorrDraftModel": lilicorr, "Qwen3DSparkModel": dspark,
+                            "Qwen3XPressModel": xpress}, config, logits)
+    return {"hidden": hidden, "logits": logits, **drafts, "missing": missing, "unexpected": unexpected}
 
 
 if __name__ == "__main__":

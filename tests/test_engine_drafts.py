@@ -24,6 +24,8 @@ from dflash_lightning.decoding.speculative import DraftContext, SpeculativeDecod
 from dflash_lightning.export import export, load_drafter, serve_commands, write_folder
 from dflash_lightning.model import DFlashDrafter
 from dflash_lightning.parts.convolutions import ConvSettings
+from dflash_lightning.parts.domino import SGLANG_POOL
+from dflash_lightning.parts.lilicorr import LiLiCorrSettings
 from dflash_lightning.parts.selector import SelectorSettings
 
 ROOT = Path(__file__).parents[1]
@@ -31,15 +33,18 @@ TARGET = ROOT / "dflash_lightning" / "assets" / "tiny" / "target_model"
 PROMPTS = ROOT / "dflash_lightning" / "assets" / "tiny" / "data" / "prompts.jsonl"
 ENGINE = os.environ.get("DFLASH_ENGINE_PYTHON", "")
 FIT_STEPS = 10  # a short fit: weights that training moved, not an initialisation
-# The variants whose folders each engine's own model class loads (Domino: SGLang alone, tests/test_domino.py)
-ENGINES = {"dflash": ("dflash", "dflash2"), "sglang": ("dflash", "dflash2", "lilicorr", "lilicorr-conv", "dspark"),
+# The variants whose folders each engine's own model class loads and drafts (Domino: SGLang alone, XPress: vLLM alone)
+ENGINES = {"dflash": ("dflash", "dflash2"),
+           "sglang": ("dflash", "dflash2", "lilicorr", "lilicorr-conv", "dspark", "domino"),
            "vllm": ("dflash", "dflash2", "lilicorr", "lilicorr-conv", "dspark", "xpress")}
 # the settings a variant's fit needs beyond the tiny config (benchmarks/objective_ab.py's recipes; LiLiCorr's default
 # lattice is sized for 8B drafters: 10 steps of it on the tiny target take minutes)
 TINY_LATTICE = ["--model.drafter.lilicorr.hidden_size=0", "--model.drafter.lilicorr.factor_dim=128"]
-FIT_SETTINGS = {"dspark": ["--model.objective=ce", "--model.loss_weights=decay"], "lilicorr": TINY_LATTICE,
-                "lilicorr-conv": TINY_LATTICE, "xpress": ["--model.objective=ce", "--model.loss_weights=decay"]}
-SMALL = {"dflash2": {"conv": ConvSettings(3, 16), "selector": SelectorSettings(8, 4)}}  # else the defaults
+CE = ["--model.objective=ce", "--model.loss_weights=decay"]
+FIT_SETTINGS = {"dspark": CE, "lilicorr": TINY_LATTICE, "lilicorr-conv": TINY_LATTICE, "xpress": CE, "domino": CE}
+SMALL_LATTICE = LiLiCorrSettings(hidden_size=0, factor_dim=128)
+SMALL = {"dflash2": {"conv": ConvSettings(3, 16), "selector": SelectorSettings(8, 4)},  # else the defaults
+         "lilicorr": {"lilicorr": SMALL_LATTICE}, "lilicorr-conv": {"lilicorr": SMALL_LATTICE}}
 # fp32 on both sides; the engines' paths differ from ours by summation order (SDPA against our masked attention,
 # fused q/k/v and gate/up projections), observed below 1e-5 on logits of magnitude ~10
 TOLERANCE = dict(rtol=1e-4, atol=1e-4)
@@ -84,8 +89,7 @@ def random_folder(variant: str, work: Path) -> Path:
     drafter = DFlashDrafter(cfg)
     for p in drafter.parameters():
         p.data += 0.1 * torch.randn_like(p)
-    state = {k: v for k, v in drafter.state_dict().items() if not k.startswith(("embed", "head"))}
-    return write_folder(cfg, state, work / "drafter", "float32")
+    return write_folder(cfg, drafter.state_dict(), work / "drafter", "float32")  # the target's IO is no weight
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +127,8 @@ def cases(folders) -> dict[tuple[str, str], tuple[dict, dict]]:
 def case_of(folder: Path, target: torch.nn.Module) -> tuple[dict, dict]:
     """Inputs of one block after a real prompt of the tiny target, and `evaluate`'s side on them: the drafter it
     loads from the folder, its context, block hidden states, logits and (DFlash, DFlash2) drafts
-    (SpeculativeDecoder.draft); the vLLM speculative config `export` prints for the folder."""
+    (SpeculativeDecoder.draft, DSpark's confidences); the vLLM speculative config and the SGLang Domino candidate
+    pool of the commands `export` prints for the folder."""
     from transformers import AutoTokenizer, DynamicCache
 
     drafter = load_drafter(folder, str(TARGET))
@@ -139,11 +144,20 @@ def case_of(folder: Path, target: torch.nn.Module) -> tuple[dict, dict]:
     block[0] = x
     with torch.no_grad():
         hidden = context.block_hidden(block, n)
-        ours = {"hidden": hidden, "logits": drafter.logits(hidden), "drafts": decoder.draft(context, x, n).tokens}
+        drafted = decoder.draft(context, x, n)
+    ours = {"hidden": hidden, "logits": drafter.logits(hidden), "drafts": drafted.tokens,
+            "confidence": drafted.extras.get("confidence")}
     inputs = {"features": features, "block": block, "embed": drafter.embed_weight, "head": drafter.head_weight}
-    command = serve_commands(folder, drafter.config, str(TARGET))["vllm"]
-    spec = json.loads(shlex.split(command)[shlex.split(command).index("--speculative-config") + 1])
-    return {"folder": str(folder), "target": str(TARGET), "vllm_spec": spec, "inputs": inputs}, ours
+    commands = {k: shlex.split(v) for k, v in serve_commands(folder, drafter.config, str(TARGET)).items()}
+    spec = json.loads(flag(commands["vllm"], "--speculative-config")) if "vllm" in commands else None
+    pool = flag(commands.get("sglang", []), "--speculative-domino-candidate-pool-size")
+    return {"folder": str(folder), "target": str(TARGET), "vllm_spec": spec, "inputs": inputs,
+            "sglang_pool": SGLANG_POOL if pool is None else int(pool)}, ours
+
+
+def flag(command: list[str], name: str) -> str | None:
+    """The value of `name` in a printed serve command (split), None where it is absent."""
+    return command[command.index(name) + 1] if name in command else None
 
 
 @pytest.mark.parametrize("engine", sorted(ENGINES))
@@ -162,5 +176,7 @@ def test_engines_load_our_folders_and_draft_as_evaluate(engine, cases, tmp_path)
         assert not theirs["missing"] and not theirs["unexpected"], (key, theirs["missing"], theirs["unexpected"])
         torch.testing.assert_close(theirs["hidden"], ours["hidden"], **TOLERANCE, msg=f"{key}: hidden")
         torch.testing.assert_close(theirs["logits"], ours["logits"], **TOLERANCE, msg=f"{key}: logits")
-        if key[0] in ("dflash", "dflash2"):
-            assert theirs["drafts"].tolist() == ours["drafts"].tolist(), key
+        assert theirs["drafts"].tolist() == ours["drafts"].tolist(), key
+        assert (theirs["confidence"] is None) == (ours["confidence"] is None), key
+        if ours["confidence"] is not None:
+            torch.testing.assert_close(theirs["confidence"], ours["confidence"], **TOLERANCE, msg=f"{key}: confidence")
