@@ -1,5 +1,6 @@
-"""Run by the engine venv's python (not the project's): build an engine's own DFlash or DFlash2 drafter from an
-exported folder, load the folder's weights with its own loader, and draft one block, for tests/test_engine_drafts.py.
+"""Run by the engine venv's python (not the project's): build an engine's own drafter of any variant it serves from
+an exported folder, load the folder's weights with its own loader, and draft one block by the engine's own drafting
+rule for the variant, for tests/test_engine_drafts.py.
 
     ENGINE_PYTHON tests/dflash_engines.py IN.pt OUT.pt ENGINE    (ENGINE: dflash, sglang or vllm)
 
@@ -7,9 +8,10 @@ A missing engine, module or file is an error (a traceback, a non-zero exit): onl
 
 IN.pt: a list of cases {"folder": an exported folder, "target": its target's folder, "inputs": {"features" [n, K*H] the
 context's target features at positions 0..n-1, "block" [B] the block [x, MASK, ...] at positions n..n+B-1, "embed" [V,
-H] and "head" [V, H] the target's}}. OUT.pt: one per case {"hidden" [B, H] the final-normed block, "logits" [B, V],
-"drafts" [B-1] greedy (DFlash and DFlash2; None for the variants whose heads draft), "missing" / "unexpected" weight
-names}.
+H] and "head" [V, H] the target's}, "vllm_spec": the --speculative-config export prints (None: no vLLM runtime),
+"sglang_pool": the Domino candidate pool of the SGLang command it prints}. OUT.pt: one per case {"hidden" [B, H] the
+final-normed block, "logits" [B, V], "drafts" greedy (B - 1; DSpark's anchor-first block: B), "confidence" (DSpark:
+[B]; else None), "missing" / "unexpected" weight names}.
 
 The engines' pieces the CPU cannot run, replaced by torch (the test names them too, STAND_INS):
  - SGLang's RadixAttention (its attention backends are CUDA kernels): `ContextAttention`, SDPA of the block's queries
@@ -19,8 +21,14 @@ The engines' pieces the CPU cannot run, replaced by torch (the test names them t
    vLLM 0.34's precompute_and_store_context_kv writes through it;
  - vLLM 0.34's `ops.rms_norm` with a weight per layer (its context-K norm of all layers in one call), which 0.32's
    CPU kernel runs with the first layer's weight for all: `grouped_rms_norm`, in torch;
- - vLLM's DFlash2 walk (a Triton kernel of its speculator, Model Runner V2): lilicorr_engines.walk_from_row_zero, its
-   greedy rule in torch, on the scores of vLLM's own CandidateSelector.
+ - vLLM's DFlash2 and LiLiCorr walk (a Triton kernel of its speculator, Model Runner V2):
+   lilicorr_engines.walk_from_row_zero, its greedy rule in torch, on the scores of vLLM's own CandidateSelector or
+   LiLiCorr head;
+ - vLLM 0.34's speculators themselves (spec_decode/<method>/speculator.py, which need 0.34's GPU model runner): their
+   greedy steps restated below over the model's own methods (LiLiCorr's anchor and scoring, DSpark's Markov chain,
+   XPress's Jacobi refinement, whose Triton kernels run interpreted);
+ - SGLang's one-rank TP group (its test topology carries metadata only): all_gather, which DSpark's base logits call,
+   as the identity.
 """
 
 from __future__ import annotations

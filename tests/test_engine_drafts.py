@@ -1,9 +1,10 @@
-"""The engines' own DFlash and DFlash2 model code on our exported folders, a trained one and a random one of each:
-z-lab's `dflash` 0.1.0, SGLang 0.5.23 and vLLM 0.34 build the drafter from the folder's config.json, load its weights
-with no missing or unexpected one, and on a real context of the tiny target give `evaluate`'s block hidden states and
-logits (within TOLERANCE) and its greedy drafts (equal). The engines run in the engine venv (tests/dflash_engines.py);
-skipped, naming what is missing, unless $DFLASH_ENGINE_PYTHON names it (.ci/run's engine part sets it, and there a
-missing engine, module or file fails)."""
+"""The engines' own model code on our exported folders of every variant they serve, a trained one and a random one
+of each: z-lab's `dflash` 0.1.0, SGLang 0.5.23 and vLLM 0.34 build the drafter from the folder's config.json, load its
+weights with no missing or unexpected one, and on a real context of the tiny target give `evaluate`'s block hidden
+states and logits (within TOLERANCE) and its greedy drafts (equal), each variant drafted by the engine's own rule for
+it (DSpark's confidences too, within TOLERANCE). The engines run in the engine venv (tests/dflash_engines.py); skipped,
+naming what is missing, unless $DFLASH_ENGINE_PYTHON names it (.ci/run's engine part sets it, and there a missing
+engine, module or file fails)."""
 
 from __future__ import annotations
 
@@ -53,13 +54,19 @@ STAND_INS = {
     "dflash": [],  # plain torch and transformers
     "sglang": ["RadixAttention -> torch SDPA over the context K/V SGLang's worker writes and the block's own",
                "sgl_kernel (compiled kernels, no CPU wheel) -> an import stand-in none of these paths calls",
-               "torchvision (multimodal helpers) -> an import stand-in"],
+               "torchvision (multimodal helpers) -> an import stand-in",
+               "the TP group's all_gather (DSpark's base logits; SGLang's one-rank test topology has no collectives) "
+               "-> the identity"],
     "vllm": ["Attention -> torch SDPA over the context K/V vLLM's precompute_and_store_context_kv writes and the "
              "block's own",
              "ops.rms_norm with a weight per layer (0.34's context-K norm; 0.32's CPU kernel takes the first layer's "
              "weight for all) -> the same norm in torch",
-             "the DFlash2 selector walk (speculator's Triton kernel) -> its greedy rule in torch, on the scores of "
-             "vLLM's own CandidateSelector"],
+             "the DFlash2 and LiLiCorr walk (the speculator's Triton kernel) -> its greedy rule in torch, on the "
+             "scores of vLLM's own CandidateSelector / LiLiCorr head",
+             "the Model Runner V2 speculators (0.34's spec_decode/<method>/speculator.py, which need 0.34's GPU "
+             "runner) -> their greedy steps restated over the model's own methods: LiLiCorr's anchor "
+             "(prepare_context_anchor) and _score_candidates, DSpark's _sample_markov_chain, XPress's _jacobi_refine "
+             "(its Triton kernels themselves run, interpreted)"],
 }
 assert STAND_INS.keys() == ENGINES.keys()
 pytestmark = pytest.mark.skipif(not ENGINE, reason="no engine venv: $DFLASH_ENGINE_PYTHON is not set "
@@ -163,9 +170,9 @@ def flag(command: list[str], name: str) -> str | None:
 @pytest.mark.parametrize("engine", sorted(ENGINES))
 def test_engines_load_our_folders_and_draft_as_evaluate(engine, cases, tmp_path):
     """Each engine's own drafter class, on a trained and a random folder of each variant it serves: no missing or
-    unexpected weight, evaluate's block hidden states and logits within TOLERANCE, and (DFlash, DFlash2, whose
-    drafting is the backbone's and the selector's) its greedy drafts exactly; the other variants' heads draft in
-    their own engine tests."""
+    unexpected weight, evaluate's block hidden states and logits within TOLERANCE, its greedy drafts (by the
+    engine's drafting rule for the variant: argmax, selector, LiLiCorr walk, DSpark Markov chain, XPress Jacobi
+    passes, Domino rollout) exactly evaluate's, and DSpark's confidences within TOLERANCE."""
     mine = {key: case for key, case in cases.items() if key[0] in ENGINES[engine]}
     torch.save([case for case, _ in mine.values()], tmp_path / "in.pt")
     done = subprocess.run([ENGINE, str(Path(__file__).with_name("dflash_engines.py")), str(tmp_path / "in.pt"),
