@@ -46,6 +46,9 @@ FIT_SETTINGS = {"dspark": CE, "lilicorr": TINY_LATTICE, "lilicorr-conv": TINY_LA
 SMALL_LATTICE = LiLiCorrSettings(hidden_size=0, factor_dim=128)
 SMALL = {"dflash2": {"conv": ConvSettings(3, 16), "selector": SelectorSettings(8, 4)},  # else the defaults
          "lilicorr": {"lilicorr": SMALL_LATTICE}, "lilicorr-conv": {"lilicorr": SMALL_LATTICE}}
+# The drafting part's weights of a random folder move by this much (std): at 0.1, as the backbone's, XPress's refiner
+# reaches its Jacobi fixed point in one pass, so a wrong pass count would draft the same tokens
+RULE_NOISE = 0.5
 # fp32 on both sides; the engines' paths differ from ours by summation order (SDPA against our masked attention,
 # fused q/k/v and gate/up projections), observed below 1e-5 on logits of magnitude ~10
 TOLERANCE = dict(rtol=1e-4, atol=1e-4)
@@ -87,15 +90,17 @@ def start_fit(variant: str, work: Path) -> subprocess.Popen:
 
 def random_folder(variant: str, work: Path) -> Path:
     """A drafter as initialised, every weight moved off its initial value (norms not 1, convolutions not the
-    identity), written as `export` writes it."""
+    identity) and the drafting part's by more (RULE_NOISE), written as `export` writes it."""
     from transformers import AutoConfig
 
     cfg = DrafterConfig(num_layers=2, block_size=8, mask_token_id=4000, variant=variant, **SMALL.get(variant, {}))
     cfg = cfg.resolved(AutoConfig.from_pretrained(TARGET))
     torch.manual_seed(1)
     drafter = DFlashDrafter(cfg)
+    rule = next((part for part in drafter.parts if part.decodes), None)
+    ruled = {id(p) for p in (rule.parameters() if rule is not None else [])}
     for p in drafter.parameters():
-        p.data += 0.1 * torch.randn_like(p)
+        p.data += (RULE_NOISE if id(p) in ruled else 0.1) * torch.randn_like(p)
     return write_folder(cfg, drafter.state_dict(), work / "drafter", "float32")  # the target's IO is no weight
 
 
