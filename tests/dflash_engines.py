@@ -346,7 +346,21 @@ def run_vllm(case: dict) -> dict:
     return {"hidden": hidden, "logits": logits, **drafts, "missing": missing, "unexpected": unexpected}
 
 
+def run_head(case: dict, engine: str) -> dict:
+    """A part's head alone on given inputs (a case of tests/test_<part>.py's `engine_cases`, its "head" the part)."""
+    import domino_engines
+    import dspark_engines
+    import lilicorr_engines
+    import xpress_engines
+
+    if engine == "sglang":
+        domino_engines.prepare()
+    runs = {("lilicorr", "vllm"): lilicorr_engines.run_vllm, ("lilicorr", "sglang"): lilicorr_engines.run_sglang,
+            ("dspark", "vllm"): dspark_engines.run_vllm, ("xpress", "vllm"): xpress_engines.run}
+    return runs[case["head"], engine](case)
+
+
 if __name__ == "__main__":
     cases, engine = torch.load(sys.argv[1]), sys.argv[3]
     run = {"dflash": run_dflash, "sglang": run_sglang, "vllm": run_vllm}[engine]
-    torch.save([run(case) for case in cases], sys.argv[2])
+    torch.save([run_head(case, engine) if "head" in case else run(case) for case in cases], sys.argv[2])

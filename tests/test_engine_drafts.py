@@ -8,6 +8,7 @@ engine, module or file fails)."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shlex
@@ -71,6 +72,10 @@ STAND_INS = {
              "(prepare_context_anchor) and _score_candidates, DSpark's _sample_markov_chain, XPress's _jacobi_refine "
              "(its Triton kernels themselves run, interpreted)"],
 }
+# The parts whose heads alone each engine also runs on given inputs (tests/test_<part>.py: `engine_cases`, built with
+# its own helpers, and `check_engine`): LiLiCorr's scores and walks, sampled too; DSpark's Markov term and confidence,
+# a calibrated folder's too; XPress's refined logits, top-C drafts and speculators' refiner
+HEADS = {"lilicorr": ("vllm", "sglang"), "dspark": ("vllm",), "xpress": ("vllm",)}
 assert STAND_INS.keys() == ENGINES.keys()
 pytestmark = pytest.mark.skipif(not ENGINE, reason="no engine venv: $DFLASH_ENGINE_PYTHON is not set "
                                                    "(tools/engine_venv.sh; .ci/run's engine part sets it)")
@@ -172,19 +177,46 @@ def flag(command: list[str], name: str) -> str | None:
     return command[command.index(name) + 1] if name in command else None
 
 
+@pytest.fixture(scope="module")
+def engine_runs(cases, tmp_path_factory) -> dict[str, dict]:
+    """Each engine run once (one process: its import is the slow part) on its folders' cases, then on the heads'
+    cases (HEADS); by engine, {"folders": what it gave for each folder, in the order of `cases`, "heads": (part,
+    case, ours, what it gave) of each head case}."""
+    runs = {}
+    for engine, variants in ENGINES.items():
+        work = tmp_path_factory.mktemp(f"{engine}-run")
+        folders = [case for key, (case, _) in cases.items() if key[0] in variants]
+        heads = head_cases(engine, work)
+        torch.save(folders + [{**case, "head": head} for head, case, _ in heads], work / "in.pt")
+        done = subprocess.run([ENGINE, str(Path(__file__).with_name("dflash_engines.py")), str(work / "in.pt"),
+                               str(work / "out.pt"), engine], capture_output=True, text=True, timeout=900,
+                              cwd=Path(__file__).parent)
+        assert done.returncode == 0, f"{engine}: {done.stderr[-3000:]}"
+        outs = torch.load(work / "out.pt")
+        runs[engine] = {"folders": outs[: len(folders)],
+                        "heads": [(*head, out) for head, out in zip(heads, outs[len(folders) :], strict=True)]}
+    return runs
+
+
+def head_cases(engine: str, work: Path) -> list[tuple[str, dict, dict]]:
+    """The heads' own cases for an engine (tests/test_<part>.py's `engine_cases`), as (part, case, ours)."""
+    return [(head, case, ours) for head in sorted(HEADS) if engine in HEADS[head]
+            for case, ours in head_module(head).engine_cases(engine, work)]
+
+
+def head_module(head: str):
+    """tests/test_<head>.py, which builds the head's cases and checks them (`engine_cases`, `check_engine`)."""
+    return importlib.import_module(f"test_{head}")
+
+
 @pytest.mark.parametrize("engine", sorted(ENGINES))
-def test_engines_load_our_folders_and_draft_as_evaluate(engine, cases, tmp_path):
+def test_engines_load_our_folders_and_draft_as_evaluate(engine, cases, engine_runs):
     """Each engine's own drafter class, on a trained and a random folder of each variant it serves: no missing or
     unexpected weight, evaluate's block hidden states and logits within TOLERANCE, its greedy drafts (by the
     engine's drafting rule for the variant: argmax, selector, LiLiCorr walk, DSpark Markov chain, XPress Jacobi
     passes, Domino rollout) exactly evaluate's, and DSpark's confidences within TOLERANCE."""
     mine = {key: case for key, case in cases.items() if key[0] in ENGINES[engine]}
-    torch.save([case for case, _ in mine.values()], tmp_path / "in.pt")
-    done = subprocess.run([ENGINE, str(Path(__file__).with_name("dflash_engines.py")), str(tmp_path / "in.pt"),
-                           str(tmp_path / "out.pt"), engine], capture_output=True, text=True, timeout=900,
-                          cwd=Path(__file__).parent)
-    assert done.returncode == 0, done.stderr[-3000:]
-    for (key, (_, ours)), theirs in zip(mine.items(), torch.load(tmp_path / "out.pt"), strict=True):
+    for (key, (_, ours)), theirs in zip(mine.items(), engine_runs[engine]["folders"], strict=True):
         assert not theirs["missing"] and not theirs["unexpected"], (key, theirs["missing"], theirs["unexpected"])
         torch.testing.assert_close(theirs["hidden"], ours["hidden"], **TOLERANCE, msg=f"{key}: hidden")
         torch.testing.assert_close(theirs["logits"], ours["logits"], **TOLERANCE, msg=f"{key}: logits")
@@ -192,3 +224,12 @@ def test_engines_load_our_folders_and_draft_as_evaluate(engine, cases, tmp_path)
         assert (theirs["confidence"] is None) == (ours["confidence"] is None), key
         if ours["confidence"] is not None:
             torch.testing.assert_close(theirs["confidence"], ours["confidence"], **TOLERANCE, msg=f"{key}: confidence")
+
+
+@pytest.mark.parametrize(("engine", "head"), [(e, h) for h in sorted(HEADS) for e in HEADS[h]])
+def test_engines_heads_compute_ours(engine, head, engine_runs):
+    """The engines' own heads alone on given inputs, in the same engine run as the folders: what each part's
+    `check_engine` (tests/test_<part>.py) says of them."""
+    mine = [(case, ours, out) for part, case, ours, out in engine_runs[engine]["heads"] if part == head]
+    assert mine, f"no {head} case in the {engine} run"
+    head_module(head).check_engine(engine, [(case, ours) for case, ours, _ in mine], [out for *_, out in mine])
