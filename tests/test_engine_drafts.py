@@ -39,13 +39,16 @@ FIT_STEPS = 10  # a short fit: weights that training moved, not an initialisatio
 ENGINES = {"dflash": ("dflash", "dflash2"),
            "sglang": ("dflash", "dflash2", "lilicorr", "lilicorr-conv", "dspark", "domino"),
            "vllm": ("dflash", "dflash2", "lilicorr", "lilicorr-conv", "dspark", "xpress")}
-# the settings a variant's fit needs beyond the tiny config (benchmarks/objective_ab.py's recipes; LiLiCorr's default
-# lattice is sized for 8B drafters: 10 steps of it on the tiny target take minutes)
-TINY_LATTICE = ["--model.drafter.lilicorr.hidden_size=0", "--model.drafter.lilicorr.factor_dim=128"]
+# LiLiCorr's lattice for both folders: its default is sized for 8B drafters (10 steps of it on the tiny target take
+# minutes, and it slows every engine case of a random folder)
+SMALL_LATTICE = LiLiCorrSettings(hidden_size=0, factor_dim=128)
+# the settings a variant's fit needs beyond the tiny config (benchmarks/objective_ab.py's recipes)
+TINY_LATTICE = [f"--model.drafter.lilicorr.{name}={getattr(SMALL_LATTICE, name)}" for name in ("hidden_size",
+                                                                                                 "factor_dim")]
 CE = ["--model.objective=ce", "--model.loss_weights=decay"]
 FIT_SETTINGS = {"dspark": CE, "lilicorr": TINY_LATTICE, "lilicorr-conv": TINY_LATTICE, "xpress": CE, "domino": CE}
-SMALL_LATTICE = LiLiCorrSettings(hidden_size=0, factor_dim=128)
-SMALL = {"dflash2": {"conv": ConvSettings(3, 16), "selector": SelectorSettings(8, 4)},  # else the defaults
+# a random folder's settings beyond the defaults
+SMALL = {"dflash2": {"conv": ConvSettings(3, 16), "selector": SelectorSettings(8, 4)},
          "lilicorr": {"lilicorr": SMALL_LATTICE}, "lilicorr-conv": {"lilicorr": SMALL_LATTICE}}
 # The drafting part's weights of a random folder move by this much (std): at 0.1, as the backbone's, XPress's refiner
 # reaches its Jacobi fixed point in one pass, so a wrong pass count would draft the same tokens
