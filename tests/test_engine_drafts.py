@@ -26,7 +26,7 @@ from dflash_lightning.decoding.speculative import DraftContext, SpeculativeDecod
 from dflash_lightning.export import export, load_drafter, serve_commands, write_folder
 from dflash_lightning.model import DFlashDrafter
 from dflash_lightning.parts.convolutions import ConvSettings
-from dflash_lightning.parts.domino import SGLANG_POOL
+from dflash_lightning.parts.domino import FOLDER_DTYPE, SGLANG_POOL
 from dflash_lightning.parts.lilicorr import LiLiCorrSettings
 from dflash_lightning.parts.selector import SelectorSettings
 
@@ -53,6 +53,9 @@ SMALL = {"dflash2": {"conv": ConvSettings(3, 16), "selector": SelectorSettings(8
 # The drafting part's weights of a random folder move by this much (std): at 0.1, as the backbone's, XPress's refiner
 # reaches its Jacobi fixed point in one pass, so a wrong pass count would draft the same tokens
 RULE_NOISE = 0.5
+# A folder's dtype: fp32 (the engines cast weights to the served dtype), but Domino's, which `export` writes in bf16
+# only (the weights its engine takes; both sides then compute in fp32 on those values)
+DTYPES = {"domino": FOLDER_DTYPE}
 # fp32 on both sides; the engines' paths differ from ours by summation order (SDPA against our masked attention,
 # fused q/k/v and gate/up projections), observed below 1e-5 on logits of magnitude ~10
 TOLERANCE = dict(rtol=1e-4, atol=1e-4)
@@ -109,12 +112,12 @@ def random_folder(variant: str, work: Path) -> Path:
     ruled = {id(p) for p in (rule.parameters() if rule is not None else [])}
     for p in drafter.parameters():
         p.data += (RULE_NOISE if id(p) in ruled else 0.1) * torch.randn_like(p)
-    return write_folder(cfg, drafter.state_dict(), work / "drafter", "float32")  # the target's IO is no weight
+    return write_folder(cfg, drafter.state_dict(), work / "drafter", DTYPES.get(variant, "float32"))
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict[tuple[str, str], Path]:
-    """A trained (`fit`, then `export` as fp32) and a random folder of each variant; the fits run two at a time."""
+    """A trained (`fit`, then `export`, DTYPES) and a random folder of each variant; the fits run two at a time."""
     variants = sorted({v for vs in ENGINES.values() for v in vs})
     made = {}
     for pair in (variants[i : i + 2] for i in range(0, len(variants), 2)):
@@ -127,7 +130,8 @@ def folders(tmp_path_factory) -> dict[tuple[str, str], Path]:
                 _, stderr = fit.communicate(timeout=900)
                 assert fit.returncode == 0, f"fit of {variant} failed:\n{stderr[-3000:]}"
                 made[variant, "trained"] = export(checkpoint=str(works[variant] / "run/checkpoints/last.ckpt"),
-                                                  out=str(works[variant] / "drafter"), dtype="float32")
+                                                  out=str(works[variant] / "drafter"),
+                                                  dtype=DTYPES.get(variant, "float32"))
         finally:
             for fit in fits.values():
                 if fit.poll() is None:
