@@ -1,5 +1,6 @@
-"""Run by the engine venv's python (not the project's): build an engine's own DFlash or DFlash2 drafter from an
-exported folder, load the folder's weights with its own loader, and draft one block, for tests/test_engine_drafts.py.
+"""Run by the engine venv's python (not the project's): build an engine's own drafter of any variant it serves from
+an exported folder, load the folder's weights with its own loader, and draft one block by the engine's own drafting
+rule for the variant, for tests/test_engine_drafts.py.
 
     ENGINE_PYTHON tests/dflash_engines.py IN.pt OUT.pt ENGINE    (ENGINE: dflash, sglang or vllm)
 
@@ -7,9 +8,10 @@ A missing engine, module or file is an error (a traceback, a non-zero exit): onl
 
 IN.pt: a list of cases {"folder": an exported folder, "target": its target's folder, "inputs": {"features" [n, K*H] the
 context's target features at positions 0..n-1, "block" [B] the block [x, MASK, ...] at positions n..n+B-1, "embed" [V,
-H] and "head" [V, H] the target's}}. OUT.pt: one per case {"hidden" [B, H] the final-normed block, "logits" [B, V],
-"drafts" [B-1] greedy (DFlash and DFlash2; None for the variants whose heads draft), "missing" / "unexpected" weight
-names}.
+H] and "head" [V, H] the target's}, "vllm_spec": the --speculative-config export prints (None: no vLLM runtime),
+"sglang_pool": the Domino candidate pool of the SGLang command it prints}. OUT.pt: one per case {"hidden" [B, H] the
+final-normed block, "logits" [B, V], "drafts" greedy (B - 1; DSpark's anchor-first block: B), "confidence" (DSpark:
+[B]; else None), "missing" / "unexpected" weight names}.
 
 The engines' pieces the CPU cannot run, replaced by torch (the test names them too, STAND_INS):
  - SGLang's RadixAttention (its attention backends are CUDA kernels): `ContextAttention`, SDPA of the block's queries
@@ -19,8 +21,14 @@ The engines' pieces the CPU cannot run, replaced by torch (the test names them t
    vLLM 0.34's precompute_and_store_context_kv writes through it;
  - vLLM 0.34's `ops.rms_norm` with a weight per layer (its context-K norm of all layers in one call), which 0.32's
    CPU kernel runs with the first layer's weight for all: `grouped_rms_norm`, in torch;
- - vLLM's DFlash2 walk (a Triton kernel of its speculator, Model Runner V2): lilicorr_engines.walk_from_row_zero, its
-   greedy rule in torch, on the scores of vLLM's own CandidateSelector.
+ - vLLM's DFlash2 and LiLiCorr walk (a Triton kernel of its speculator, Model Runner V2):
+   lilicorr_engines.walk_from_row_zero, its greedy rule in torch, on the scores of vLLM's own CandidateSelector or
+   LiLiCorr head;
+ - vLLM 0.34's speculators themselves (spec_decode/<method>/speculator.py, which need 0.34's GPU model runner): their
+   greedy steps restated below over the model's own methods (LiLiCorr's anchor and scoring, DSpark's Markov chain,
+   XPress's Jacobi refinement, whose Triton kernels run interpreted);
+ - SGLang's one-rank TP group (its test topology carries metadata only): all_gather, which DSpark's base logits call,
+   as the identity.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ import sys
 import types
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -63,14 +72,15 @@ class ContextAttention(torch.nn.Module):
                     self.head_dim)
 
 
-def drafts_of(config: dict, logits: torch.Tensor, propose) -> torch.Tensor | None:
-    """Greedy drafts of slots 1..B-1: the argmax (DFlash), or the engine's own selector (DFlash2); None for the
-    variants whose heads draft (their own engine tests run those heads)."""
-    if config["architectures"] == ["DFlashDraftModel"]:
-        return logits[1:].argmax(-1)
-    if config["architectures"] == ["DFlash2DraftModel"]:
-        return propose()
-    return None
+def drafts_of(rules: dict, config: dict, logits: torch.Tensor) -> dict:
+    """Greedy drafts of one block by the engine's rule for the folder's variant (`rules`: architecture, or "domino",
+    -> a function giving the drafts and, DSpark's, the confidences); the argmax of slots 1..B-1 where the engine
+    has no rule of its own (DFlash)."""
+    name = "domino" if config.get("dflash_config", {}).get("projector_type") == "domino" else config["architectures"][0]
+    if name == "DFlashDraftModel":
+        return {"drafts": logits[1:].argmax(-1), "confidence": None}
+    drafts = rules[name]()
+    return drafts if isinstance(drafts, dict) else {"drafts": drafts, "confidence": None}
 
 
 def run_dflash(case: dict) -> dict:
@@ -89,9 +99,9 @@ def run_dflash(case: dict) -> dict:
         hidden = model(position_ids=torch.arange(n + b)[None], noise_embedding=x["embed"][x["block"]][None],
                        target_hidden=x["features"][None])[0]
         logits = model.compute_logits(hidden, head)
-        drafts = drafts_of(config, logits,
-                           lambda: model.propose(hidden[None, 1:], x["block"][:1], head, 0.0)[0][0])
-    return {"hidden": hidden, "logits": logits, "drafts": drafts, "missing": sorted(info["missing_keys"]),
+        propose = lambda: model.propose(hidden[None, 1:], x["block"][:1], head, 0.0)[0][0]  # noqa: E731
+        drafts = drafts_of({"DFlash2DraftModel": propose}, config, logits)
+    return {"hidden": hidden, "logits": logits, **drafts, "missing": sorted(info["missing_keys"]),
             "unexpected": sorted(info["unexpected_keys"]) + [str(m) for m in info["mismatched_keys"]]}
 
 
@@ -101,11 +111,13 @@ SGLANG_MODULES = {"DFlashDraftModel": "dflash", "DFlash2DraftModel": "dflash", "
 
 
 def run_sglang(case: dict) -> dict:
-    """SGLang 0.5.23: its DFlashDraftModel / DFlash2DraftModel (by the folder's architecture, as its EntryClass),
-    load_weights, the context K/V as its worker writes them, its forward, its selector's greedy walk."""
+    """SGLang 0.5.23: its draft model class of the folder's architecture (its EntryClass), load_weights, the context
+    K/V as its worker writes them, its forward, and its worker's greedy drafting of the variant (DFlash2's selector,
+    LiLiCorr's propose_lilicorr_block, DSpark's Markov block and confidence, Domino's domino_greedy_rollout)."""
     import domino_engines
 
     domino_engines.prepare()
+    from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead
     from sglang.srt.runtime_context import reset_context
     from sglang.srt.server_args import ServerArgs
     from sglang.test.parallel_groups import publish
@@ -133,21 +145,58 @@ def run_sglang(case: dict) -> dict:
                        input_embeds=x["embed"][x["block"]]).hidden_states
         logits = hidden @ x["head"].T  # the target's head (SGLang's DFlash model has none of its own)
 
-        def propose() -> torch.Tensor:
-            model.lm_head = torch.nn.Linear(x["head"].shape[1], x["head"].shape[0], bias=False)
-            model.lm_head.weight.data = x["head"]
-            model.lm_head.org_vocab_size = x["head"].shape[0]
+        lm_head = ParallelLMHead(x["head"].shape[0], x["head"].shape[1])  # the target's, as the worker attaches it
+        lm_head.weight.copy_(x["head"])
+        model.lm_head = lm_head
+        embed = torch.nn.Embedding.from_pretrained(x["embed"])
+        anchor = x["block"][:1]
+
+        def dflash2() -> torch.Tensor:
             ids, vals = model.compute_candidates(hidden[1:])
             scores = model.candidate_selector.build_lattice(candidate_ids=ids[None], unary_logits=vals[None],
-                                                            hidden_states=hidden[None, 1:],
-                                                            anchor_token_ids=x["block"][:1])
+                                                            hidden_states=hidden[None, 1:], anchor_token_ids=anchor)
             tokens, _ = model.candidate_selector.sample_path(
                 candidate_ids=ids[None], scores=scores, uniforms=torch.zeros(1, b - 1),
                 temperatures=torch.ones(1), greedy_mask=torch.ones(1, dtype=torch.bool))
             return tokens[0]
 
-        drafts = drafts_of(config, logits, propose)
-    return {"hidden": hidden, "logits": logits, "drafts": drafts, "missing": missing, "unexpected": unexpected}
+        def lilicorr() -> torch.Tensor:
+            """The worker's propose_lilicorr_block, its anchor the last context row (publish_anchor)."""
+            from sglang.srt.speculative.lilicorr_utils import propose_lilicorr_block
+
+            return propose_lilicorr_block(head=model.lilicorr, draft_hidden=hidden[None], lm_head=lm_head,
+                                          embed_tokens=embed, anchor=ctx[-1:])[0][0]
+
+        def dspark() -> dict:
+            """DsparkDraftSampler's greedy block (anchor-first: every slot drafts): compute_base_logits, the Markov
+            steps of draft_markov_block (their torch path), compute_confidence."""
+            from sglang.srt.distributed import get_tp_group
+            from sglang.srt.speculative.dspark_components.dspark_draft import DraftNoise, draft_markov_block
+            from sglang.srt.speculative.spec_tp_sync import SpecTpSync
+
+            assert model.sample_from_anchor
+            get_tp_group().all_gather = lambda tensor, dim=-1: tensor  # one rank (publish's group has no collectives)
+            base, features = model.compute_base_logits(hidden)
+            tokens, _ = draft_markov_block(
+                markov_head=model.markov_head, base_logits=base[None], anchor_tokens=anchor, draft_hidden=hidden[None],
+                step_temperatures=torch.zeros(1), noise=DraftNoise(key=0, offset=torch.zeros(1, dtype=torch.int64)),
+                tp_sync=SpecTpSync(SimpleNamespace(world_size=1, rank_in_group=0)), greedy_draft=True)
+            confidence, _ = model.compute_confidence(anchor_tokens=anchor, draft_tokens=tokens,
+                                                     confidence_features=features[None])
+            return {"drafts": tokens[0], "confidence": confidence[0]}
+
+        def domino() -> torch.Tensor:
+            """domino_greedy_rollout with the pool of the printed command (SGLang's default where it names none)."""
+            from sglang.srt.speculative.domino_utils import domino_greedy_rollout
+
+            return domino_greedy_rollout(
+                draft_hidden=hidden[None], bonus_tokens=anchor, target_embedding=embed, lm_head_weight=x["head"],
+                prefix_gru=model.prefix_gru, embed_proj=model.embed_proj, vocab_size=x["head"].shape[0],
+                shift_label=bool(model.shift_label), candidate_pool_size=case["sglang_pool"], in_cuda_graph=False)[0]
+
+        drafts = drafts_of({"DFlash2DraftModel": dflash2, "LiLiCorrDraftModel": lilicorr, "Qwen3DSparkModel": dspark,
+                            "domino": domino}, config, logits)
+    return {"hidden": hidden, "logits": logits, **drafts, "missing": missing, "unexpected": unexpected}
 
 
 class VllmAttention(ContextAttention):
@@ -253,21 +302,65 @@ def run_vllm(case: dict) -> dict:
             if method is not None:
                 method.process_weights_after_loading(module)
         model.process_weights_after_loading()
-        model.precompute_and_store_context_kv(model.combine_hidden_states(x["features"]), torch.arange(n),
-                                              torch.arange(n))
+        context = model.combine_hidden_states(x["features"])
+        model.precompute_and_store_context_kv(context, torch.arange(n), torch.arange(n))
         hidden = model(x["block"], torch.arange(n, n + b))
         logits = model.compute_logits(hidden)
 
-        def propose() -> torch.Tensor:
+        anchor = x["block"][:1]
+
+        def dflash2() -> torch.Tensor:
             ids, unary = model.compute_candidates(hidden[1:])
-            scores = model.model.candidate_selector(ids[None], unary[None], hidden[None, 1:], x["block"][:1])
+            scores = model.model.candidate_selector(ids[None], unary[None], hidden[None, 1:], anchor)
             return walk_from_row_zero(scores, ids[None])[0]
 
-        drafts = drafts_of(config, logits, propose)
-    return {"hidden": hidden, "logits": logits, "drafts": drafts, "missing": missing, "unexpected": unexpected}
+        def lilicorr() -> torch.Tensor:
+            """LiLiCorrSpeculator: its anchor (prepare_context_anchor: hidden_norm of the last context row), its
+            _score_candidates, the walk of DFlash2's."""
+            ids, log_probs = model.compute_candidates(hidden[1:])
+            scores = model.model.lilicorr(model.model.embed_tokens(ids)[None], log_probs[None], hidden[None, 1:],
+                                          model.model.hidden_norm(context[-1:]), torch.ones(1, dtype=torch.bool))
+            return walk_from_row_zero(scores, ids[None])[0]
+
+        def dspark() -> dict:
+            """DSparkSpeculator._sample_markov_chain, greedy (no draft logits: greedy_argmax, whose CPU path is an
+            argmax), anchor-first: every slot drafts."""
+            base, prev, tokens, embeds = model.compute_draft_logits(hidden), anchor, [], []
+            for i in range(b):
+                embeds.append(model.markov_embed(prev))
+                prev = (base[i : i + 1] + model.markov_bias(embeds[-1])).argmax(-1)
+                tokens.append(model.map_draft_to_target(prev))
+            return {"drafts": torch.cat(tokens), "confidence": model.compute_confidence(hidden, torch.cat(embeds))}
+
+        def xpress() -> torch.Tensor:
+            """XPressSpeculator._jacobi_refine: the refiner's Jacobi passes (its Triton kernels, interpreted) over
+            the whole block, the anchor standing in for its predecessor."""
+            passes = int(getattr(spec.draft_model_config.hf_config, "xpress_num_passes", 6))
+            model.model.xpress_head.process_weights_after_loading()  # the fused copies its kernels index
+            draft, _ = model.model.xpress_head.jacobi_refine_greedy(model.compute_draft_logits(hidden[None]),
+                                                                    hidden[None], anchor, anchor, passes)
+            return draft[0]
+
+        drafts = drafts_of({"DFlash2DraftModel": dflash2, "LiLiCorrDraftModel": lilicorr, "Qwen3DSparkModel": dspark,
+                            "Qwen3XPressModel": xpress}, config, logits)
+    return {"hidden": hidden, "logits": logits, **drafts, "missing": missing, "unexpected": unexpected}
+
+
+def run_head(case: dict, engine: str) -> dict:
+    """A part's head alone on given inputs (a case of tests/test_<part>.py's `engine_cases`, its "head" the part)."""
+    import domino_engines
+    import dspark_engines
+    import lilicorr_engines
+    import xpress_engines
+
+    if engine == "sglang":
+        domino_engines.prepare()
+    runs = {("lilicorr", "vllm"): lilicorr_engines.run_vllm, ("lilicorr", "sglang"): lilicorr_engines.run_sglang,
+            ("dspark", "vllm"): dspark_engines.run_vllm, ("xpress", "vllm"): xpress_engines.run}
+    return runs[case["head"], engine](case)
 
 
 if __name__ == "__main__":
     cases, engine = torch.load(sys.argv[1]), sys.argv[3]
     run = {"dflash": run_dflash, "sglang": run_sglang, "vllm": run_vllm}[engine]
-    torch.save([run(case) for case in cases], sys.argv[2])
+    torch.save([run_head(case, engine) if "head" in case else run(case) for case in cases], sys.argv[2])

@@ -1,17 +1,14 @@
 """Run by an engine venv's python (not the project's): build vLLM's own DSpark Markov and confidence heads on the CPU,
 load a drafter's `markov_head.*` and `confidence_head.*` weights through its loader's rules, and write what they
-compute for tests/test_dspark.py.
+compute for tests/test_dspark.py's cases (`run_vllm`, called by tests/dflash_engines.py).
 
-    ENGINE_PYTHON tests/dspark_engines.py IN.pt OUT.pt ENGINE    (ENGINE: vllm; exit 3, failing the test: not installed)
-
-IN.pt: a list of cases {"vocab_size", "hidden_size", "markov_rank", "with_markov", "weights": {name: t}, "inputs":
-{"prev" [N] token ids, "hidden" [N, H]}}. OUT.pt: one per case {"bias" [N, V] the Markov logit term, "confidence"
+A case: {"vocab_size", "hidden_size", "markov_rank", "with_markov", "weights": {name: t}, "inputs":
+{"prev" [N] token ids, "hidden" [N, H]}}. What a run gives: {"bias" [N, V] the Markov logit term, "confidence"
 [N] sigmoid of the confidence head, "missing" / "unexpected" weight names}.
 """
 
 from __future__ import annotations
 
-import sys
 import warnings
 
 import torch
@@ -57,13 +54,3 @@ def run_vllm(case: dict) -> dict:
         confidence = torch.sigmoid(heads.confidence_head(x["hidden"], embed))  # Qwen3DSparkForCausalLM's
     return {"bias": bias, "confidence": confidence, "missing": sorted(params - set(loaded)),
             "unexpected": sorted(set(loaded) - params)}
-
-
-if __name__ == "__main__":
-    import importlib.util
-
-    cases, engine = torch.load(sys.argv[1]), sys.argv[3]
-    if importlib.util.find_spec(engine) is None:
-        print(f"{engine} is not installed in {sys.prefix}", file=sys.stderr)
-        sys.exit(3)
-    torch.save([{"vllm": run_vllm}[engine](case) for case in cases], sys.argv[2])

@@ -1,11 +1,10 @@
 """Run by an engine venv's python (not the project's): build vLLM's and SGLang's own LiLiCorr head on the CPU, load a
-part's weights through their loaders' rules, and write their start/pair scores and walks for tests/test_lilicorr.py.
+part's weights through their loaders' rules, and give their start/pair scores and walks for tests/test_lilicorr.py's
+cases (`run_vllm`, `run_sglang`, called by tests/dflash_engines.py).
 
-    ENGINE_PYTHON tests/lilicorr_engines.py IN.pt OUT.pt ENGINE    (ENGINE: vllm or sglang; exit 3: not installed)
-
-IN.pt: a list of cases {"dflash_config": {lilicorr_*}, "hidden_size", "block_size", "rms_norm_eps", "weights":
+A case: {"dflash_config": {lilicorr_*}, "hidden_size", "block_size", "rms_norm_eps", "weights":
 {"lilicorr.<name>": t}, "inputs": {token_embeddings [A,S,K,H], log_probs [A,S,K], candidates [A,S,K], pass_hidden
-[A,S,H], anchor_hidden [A,H], anchor_valid [A], uniforms [A,S], temperature}}. OUT.pt: one per case {start [A,K],
+[A,S,H], anchor_hidden [A,H], anchor_valid [A], uniforms [A,S], temperature}}. What a run gives: {start [A,K],
 pair [A,S-1,K,K], greedy [A,S] token ids, (SGLang) sampled [A,S] and q [A,S,K], missing / unexpected weight names}.
 """
 
@@ -124,14 +123,3 @@ def run_sglang(case: dict) -> dict:
         sampled, q = head.select_with_proposal(greedy_mask=torch.zeros(a, dtype=torch.bool), **common)
     return {"start": start[:, 0], "pair": pair[:, 0], "greedy": greedy, "sampled": sampled, "q": q,
             "coverage_error": error}
-
-
-if __name__ == "__main__":
-    import importlib.util
-
-    cases, engine = torch.load(sys.argv[1]), sys.argv[3]
-    if importlib.util.find_spec(engine) is None:
-        print(f"{engine} is not installed in {sys.prefix}", file=sys.stderr)
-        sys.exit(3)
-    run = {"vllm": run_vllm, "sglang": run_sglang}[engine]
-    torch.save([run(case) for case in cases], sys.argv[2])

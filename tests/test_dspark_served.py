@@ -1,8 +1,8 @@
 """DSpark's served report and calibration (docs/dspark.md) against plain references written here: the paper's survival
 measures (ECE in 20 bins, AUROC, Brier per position), the engines' adaptive-verification rule with lagged
 confidences, the calibration fit on a planted miscalibration, the fold into `confidence_head.proj` (vLLM's own head
-on the folded weights: tests/test_dspark.py's `test_vllm_dspark_heads_compute_ours`), and the calibrate / evaluate
-/ export commands end to end."""
+on the folded weights: tests/test_dspark.py's `check_engine`, run by tests/test_engine_drafts.py), and the calibrate
+/ evaluate / export commands end to end."""
 
 from __future__ import annotations
 

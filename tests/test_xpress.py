@@ -5,8 +5,6 @@ sampled drafts against their q, the folder fields, the speculators converter, an
 from __future__ import annotations
 
 import math
-import os
-import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -593,17 +591,11 @@ def test_warm_start_from_an_xpress_drafter_of_another_shape_is_refused_naming_th
 
 
 # -- engines ---------------------------------------------------------------------------------------------------------
-ENGINE = os.environ.get("DFLASH_ENGINE_PYTHON", "")
-
-
-@pytest.mark.skipif(not ENGINE, reason="no engine venv: $DFLASH_ENGINE_PYTHON is not set (tools/engine_venv.sh)")
-def test_engines_xpress_refiner_computes_ours(tmp_path):
-    """vLLM 0.34's own XPress refiner (qwen3_xpress.py and its Jacobi kernels, from the 0.34 wheel, on the engine
-    venv's vLLM 0.32 for the CPU, kernels in Triton's interpreter), built from the config.json of a folder we export
-    and loaded with its `xpress_head.*` weights by its `load_weights`, misses no weight and knows every one, gives our
-    refined logits, and drafts what our drafting rule drafts (`XPress.draft`, as the decoder calls it: the anchor as
-    prev_0) over the full vocabulary (`xpress_topc: 0`, what we export) and over the top C; speculators 0.9's own
-    refiner gives the same logits from the names `from_speculators` reads."""
+def engine_cases(engine: str, work: Path) -> list[tuple[dict, dict]]:
+    """vLLM's XPress refiner's case (tests/test_engine_drafts.py runs it with its folders, through
+    tests/xpress_engines.py): the config.json and `xpress_head.*` weights of a folder we export, inputs, and ours:
+    the refined logits and the drafts of our drafting rule (`XPress.draft`, as the decoder calls it: the anchor as
+    prev_0) over the full vocabulary (`xpress_topc: 0`, what we export) and over the top 7."""
     import json
     from dataclasses import replace
 
@@ -623,8 +615,9 @@ def test_engines_xpress_refiner_computes_ours(tmp_path):
     drafter = DFlashDrafter(cfg)
     for p in drafter.parameters():
         p.data.normal_(0, 0.3)
-    folder = write_folder(cfg, drafter.state_dict(), tmp_path / "folder")
+    folder = write_folder(cfg, drafter.state_dict(), work / "folder")
     config = json.loads((folder / "config.json").read_text())
+    assert config["xpress_topc"] == 0
     weights = {k: v for k, v in load_file(folder / "model.safetensors").items() if k.startswith(PREFIX)}
     part = drafter.parts[0]
     xhead = part.head
@@ -639,20 +632,24 @@ def test_engines_xpress_refiner_computes_ours(tmp_path):
             "speculators_weights": speculators, "inputs": {"hidden": hidden, "head": head, "anchor": anchor,
                                                            "prev": prev},
             "num_passes": config["xpress_num_passes"], "topc": 7}
-    torch.save([case], tmp_path / "in.pt")
-    script = Path(__file__).with_name("xpress_engines.py")
-    done = subprocess.run([ENGINE, str(script), str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
-                          capture_output=True, text=True, timeout=900, cwd=Path(__file__).parent)
-    assert done.returncode == 0, done.stderr[-3000:]
-    (theirs,) = torch.load(tmp_path / "out.pt")
-    assert not theirs["missing"] and not theirs["unexpected"], theirs
     with torch.no_grad():
-        ours = xhead(hidden, prev, head)
-    torch.testing.assert_close(theirs["refined"], ours, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(theirs["speculators_refined"], ours, rtol=1e-5, atol=1e-5)
-    assert config["xpress_topc"] == 0
+        ours = {"refined": xhead(hidden, prev, head)}
     for topc, key in ((0, "greedy"), (7, "greedy_topc")):
         part.settings = replace(cfg.xpress, topc=topc)
-        drafts = torch.stack([part.draft(DraftInputs(hidden[i, 1:], hidden[i, 1:] @ head.T, anchor[i], None, head, 0.0,
-                                                     None, hidden[i])).tokens for i in range(n)])
-        assert torch.equal(theirs[key], drafts), key
+        ours[key] = torch.stack([part.draft(DraftInputs(hidden[i, 1:], hidden[i, 1:] @ head.T, anchor[i], None, head,
+                                                        0.0, None, hidden[i])).tokens for i in range(n)])
+    return [(case, ours)]
+
+
+def check_engine(engine: str, cases: list[tuple[dict, dict]], outs: list[dict]) -> None:
+    """vLLM 0.34's own XPress refiner (qwen3_xpress.py and its Jacobi kernels, from the 0.34 wheel, on the engine
+    venv's vLLM 0.32 for the CPU, kernels in Triton's interpreter), built from our config.json and loaded with its
+    `xpress_head.*` weights by its `load_weights`, misses no weight and knows every one, gives our refined logits and
+    our drafts (full vocabulary and top C); speculators 0.9's own refiner gives the same logits from the names
+    `from_speculators` reads."""
+    for (_, ours), theirs in zip(cases, outs, strict=True):
+        assert not theirs["missing"] and not theirs["unexpected"], theirs
+        torch.testing.assert_close(theirs["refined"], ours["refined"], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(theirs["speculators_refined"], ours["refined"], rtol=1e-5, atol=1e-5)
+        for key in ("greedy", "greedy_topc"):
+            assert torch.equal(theirs[key], ours[key]), key

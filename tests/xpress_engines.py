@@ -1,16 +1,15 @@
 """Run by the engine venv's python (not the project's): build vLLM 0.34's own XPress refiner and speculators 0.9's on
 the CPU, load a drafter's `xpress_head.*` weights through vLLM's `load_weights` (and the converted names through
-speculators' module), and write what they compute for tests/test_xpress.py.
-
-    ENGINE_PYTHON tests/xpress_engines.py IN.pt OUT.pt
+speculators' module), and give what they compute for tests/test_xpress.py's cases (`run`, called by
+tests/dflash_engines.py).
 
 vLLM 0.34's model module and its Triton kernels are imported into the engine venv's vLLM 0.32 for the CPU
 (tests/vllm034.py, from the files tools/vllm_engine_files.sh keeps in the venv), and the kernels run in Triton's
 interpreter (vLLM for the CPU turns Triton off: no CPU backend). A missing engine or file is an error.
 
-IN.pt: a list of cases {"vocab_size", "hidden_size", "block_size", "config": the folder's xpress fields, "weights":
+A case: {"vocab_size", "hidden_size", "block_size", "config": the folder's xpress fields, "weights":
 {"xpress_head.<name>": t}, "speculators_weights": {"refiner_head.<name>": t}, "inputs": {"hidden" [N, B, H], "head"
-[V, H], "anchor" [N], "prev" [N, B]}, "num_passes", "topc"}. OUT.pt: one per case {"refined" [N, B, V] (vLLM),
+[V, H], "anchor" [N], "prev" [N, B]}, "num_passes", "topc"}. What a run gives: {"refined" [N, B, V] (vLLM),
 "speculators_refined" [N, B, V], "greedy" and "greedy_topc" [N, B-1] (vLLM's jacobi_refine_greedy, the anchor as
 prev_0), "missing" / "unexpected" weight names (vLLM's and speculators')}.
 """
@@ -18,7 +17,6 @@ prev_0), "missing" / "unexpected" weight names (vLLM's and speculators')}.
 from __future__ import annotations
 
 import importlib.util
-import sys
 import types
 import warnings
 
@@ -93,13 +91,8 @@ def run_speculators(case: dict) -> dict:
     return {"speculators_refined": refined, "missing": result.missing_keys, "unexpected": result.unexpected_keys}
 
 
-if __name__ == "__main__":
-    cases = torch.load(sys.argv[1])
-    module = vllm_xpress()
-    outs = []
-    for case in cases:
-        theirs, spec = run_vllm(module, case), run_speculators(case)
-        outs.append({**theirs, "speculators_refined": spec["speculators_refined"],
-                     "missing": theirs["missing"] + spec["missing"],
-                     "unexpected": theirs["unexpected"] + spec["unexpected"]})
-    torch.save(outs, sys.argv[2])
+def run(case: dict) -> dict:
+    """vLLM's refiner and speculators' on one case, their missing and unexpected names together."""
+    theirs, spec = run_vllm(vllm_xpress(), case), run_speculators(case)
+    return {**theirs, "speculators_refined": spec["speculators_refined"],
+            "missing": theirs["missing"] + spec["missing"], "unexpected": theirs["unexpected"] + spec["unexpected"]}
