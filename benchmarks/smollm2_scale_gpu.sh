@@ -14,8 +14,8 @@
 #   bash benchmarks/smollm2_scale_gpu.sh OUT fit       every run of RUNS at once (name:overrides, space-separated
 #                                                      overrides joined by commas), each in WORK/name
 #   bash benchmarks/smollm2_scale_gpu.sh OUT eval      every run: evaluate on EVAL_PROMPTS held-out prompts and on
-#                                                      HumanEval at TEMPERATURES (batched), then the first run's
-#                                                      batch-1 tokens per second (benchmarks/decode_speed.py)
+#                                                      HumanEval (SETS) at TEMPERATURES (batched), then the first
+#                                                      run's batch-1 tokens per second (decode_speed.py; SPEED=0: not)
 #   bash benchmarks/smollm2_scale_gpu.sh OUT all       target, answers, fit, eval, detached; progress in WORK/progress.log
 #   bash benchmarks/smollm2_scale_gpu.sh OUT wait      wait up to WAIT seconds for `all`, then pack what there is
 #                                                      (logs, metrics, reports; no checkpoints) into OUT/scale.tgz
@@ -113,7 +113,7 @@ case $part in
       name=${run%%:*}; dir=$WORK/$name; ckpt=$(ls "$dir"/runs/*/checkpoints/last.ckpt 2>/dev/null | head -1)
       [ -f "$ckpt" ] || { log "eval $name: no last.ckpt under $dir/runs"; continue; }
       first=${first:-$ckpt}
-      for set in heldout humaneval; do  # every run and set at once: the GPU has room for them
+      for set in ${SETS:-heldout humaneval}; do  # every run and set at once: the GPU has room for them
         prompts=$([ $set = heldout ] && echo "$heldout" || echo "$humaneval")
         (python3 -m dflash_lightning evaluate --drafter "$ckpt" --prompts "$prompts" --num_prompts \
           "${EVAL_PROMPTS:-164}" "${common[@]}" --out "$dir/eval-$set" > "$dir/eval-$set.log" 2>&1
@@ -121,6 +121,7 @@ case $part in
       done
     done
     wait
+    [ "${SPEED:-1}" = 0 ] && exit 0  # SPEED=0: no batch-1 speed
     for graphs in "" --no-graphs; do  # eager too (EAGER=1, or where the graphs failed): the graphs' gain
       [ -n "$graphs" ] && [ "${EAGER:-1}" = 0 ] && [ -f "$WORK/decode-speed.json" ] && continue
       [ -n "$first" ] && { python3 benchmarks/decode_speed.py --target "$TARGET" --drafter "$first" --prompts "$heldout" \
