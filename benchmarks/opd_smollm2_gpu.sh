@@ -13,8 +13,9 @@ out=${1:?OUT_DIR}
 repo=$(cd "$(dirname "$0")/.." && pwd)
 scale=$repo/benchmarks/smollm2_scale_gpu.sh
 KEEP=${KEEP:-/root/keep}; WORK=${WORK:-$KEEP/scale}
+TARGET=${TARGET:-$HOME/.cache/dflash_lightning/smollm2-135m-instruct}
 SEEDS=${SEEDS:-0 1}; STEPS1=${STEPS1:-1000}; STEPS2=${STEPS2:-250}
-export KEEP WORK
+export KEEP WORK TARGET
 declare -A ARMS=(
   [sft]="model.stage=sft"
   [opd]="model.stage=opd"
@@ -23,10 +24,12 @@ declare -A ARMS=(
 )
 bases= arms=
 for s in $SEEDS; do
-  bases+="base-s$s:model.drafter.variant=dflash,seed_everything=$s,trainer.max_steps=$STEPS1 "
+  bases+="base-s$s:model.drafter.variant=dflash,seed_everything=$s,trainer.max_steps=$STEPS1"
+  bases+=",trainer.val_check_interval=$((STEPS1 / 2)),spec_eval.every_n_steps=$((STEPS1 / 2)) "
   ckpt=$WORK/base-s$s/runs/smollm2-135m-gpu/checkpoints/last.ckpt
   for arm in sft opd opd-approx opd-tuned; do
-    arms+="$arm-s$s:${ARMS[$arm]},model.init_from=$ckpt,seed_everything=$s,trainer.max_steps=$STEPS2 "
+    arms+="$arm-s$s:${ARMS[$arm]},model.init_from=$ckpt,seed_everything=$s,trainer.max_steps=$STEPS2"
+    arms+=",trainer.val_check_interval=$STEPS2,spec_eval.every_n_steps=$STEPS2 "
   done
 done
 mkdir -p "$WORK"
@@ -34,10 +37,20 @@ echo "$(date +%T) opd: bases [$bases] arms [$arms]" >> "$WORK/progress.log"
 # one chain, detached (the scale script's `all` does the same): a failed part stops it, a failed fit does not
 setsid nohup bash -c "
   step() { echo \"\$(date +%T) \$*\" >> '$WORK/progress.log'; }
-  bash '$scale' '$out' target || { step 'all: target failed'; exit 1; }
+  [ -f '$TARGET/config.json' ] || bash '$scale' '$out' target || { step 'all: target failed'; exit 1; }
+  # the target's features on the GPU's backends against each document's own forward (a leak shows here)
+  python3 '$repo/benchmarks/train_serve_parity.py' features --device '${DEVICE:-cuda}' --target '$TARGET' \
+    --out '$WORK/parity-features.json' > '$WORK/parity-features.log' 2>&1; step \"parity features: exit \$?\"
   bash '$scale' '$out' answers || { step 'all: answers failed'; exit 1; }
   RUNS='$bases' bash '$scale' '$out' fit
+  # seed 0's base validated under the GPU's paths (beside the arms): the training estimate must not depend on them
+  (cd '$WORK/base-s${SEEDS%% *}' && python3 '$repo/benchmarks/train_serve_parity.py' validate \
+    --config configs/smollm2-135m-gpu.yaml --ckpt runs/smollm2-135m-gpu/checkpoints/last.ckpt \
+    --settings gpu-fp32-eager,gpu-bf16-compiled,gpu-bf16-compiled-sdpa --set=--model.drafter.variant=dflash \
+    --set=--trainer.logger=false --set=--target.path='$TARGET' \
+    --out '$WORK/parity-validate.json' > '$WORK/parity-validate.log' 2>&1; step \"parity validate: exit \$?\") &
   RUNS='$arms' CONFIG=configs/stages/smollm2-135m-opd-gpu.yaml bash '$scale' '$out' fit
+  wait
   RUNS='$bases$arms' SETS=heldout SPEED=0 bash '$scale' '$out' eval
   step 'all: done'" > "$WORK/all.log" 2>&1 < /dev/null &
 echo "$(date +%T) opd: started" | tee -a "$WORK/progress.log"
