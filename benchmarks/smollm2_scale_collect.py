@@ -1,6 +1,6 @@
 """The figures of a `benchmarks/smollm2_scale_gpu.sh` run, from its WORK folder (or the scale.tgz `wait` packed), as one
 JSON: the answers' tokens per second, each run's fit time and tau against training tokens, the served reports on the
-held-out prompts and HumanEval, and the batch-1 tokens per second.
+held-out prompts and HumanEval, the OPD stage's curves, the batch-1 tokens per second and the parity checks.
 
     python benchmarks/smollm2_scale_collect.py scale.tgz --card "NVIDIA H100" --out benchmarks/results/X.json
 """
@@ -66,7 +66,7 @@ def run(folder: Path, token_budget: int) -> dict[str, Any]:
         "command": (folder / "command.txt").read_text().strip() if (folder / "command.txt").exists() else None,
         "fit": time | {"last_logged_step": steps},
         "tau_served_against_tokens": [[s, s * token_budget, v] for s, v in served],
-        "curves": {k: v for k, v in curves.items() if k.startswith("val/")},
+        "curves": {k: v for k, v in curves.items() if k.startswith(("val/", "train/opd/"))},
         "heldout": reports(folder / "eval-heldout"),
         "humaneval": reports(folder / "eval-humaneval"),
     }
@@ -79,6 +79,9 @@ def collect(work: Path, card: str, token_budget: int) -> dict[str, Any]:
         "answers": answers(work),
         "runs": {d.name: run(d, token_budget) for d in sorted(work.iterdir()) if (d / "command.txt").exists()},
         "decode_speed": json.loads(speed.read_text()) if speed.exists() else None,
+        # benchmarks/train_serve_parity.py's results (benchmarks/opd_smollm2_gpu.sh)
+        "parity": {f.stem.removeprefix("parity-"): json.loads(f.read_text())
+                   for f in sorted(work.glob("parity-*.json"))},
         "progress": (work / "progress.log").read_text().splitlines() if (work / "progress.log").exists() else [],
     }
 

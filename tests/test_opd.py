@@ -269,12 +269,23 @@ def test_slot_kls_chunks_equal_one_pass():
     torch.testing.assert_close(one[0], (log_p.exp() * (log_p - log_q)).sum(-1))
 
 
-def test_the_shipped_stage_config_parses_and_instantiates(stage_config, tmp_path):
-    """configs/stages/tiny-opd.yaml (outside configs/*.yaml: its init_from is a run's output) on a tiny stand-in."""
+# the GPU config on this machine: its target and data swapped for the tiny ones, the CPU in place of the GPU
+ON_THE_CPU = ["--target.path=dflash_lightning/assets/tiny/target_model", "--target.dtype=float32",
+              "--target.compile=false", "--model.compile=false", "--trainer.accelerator=cpu",
+              "--trainer.precision=32-true", "--data.train_files=[dflash_lightning/assets/tiny/data/train.jsonl]",
+              "--data.val_files=[dflash_lightning/assets/tiny/data/val.jsonl]"]
+
+
+@pytest.mark.parametrize(("name", "overrides"), [("tiny-opd.yaml", []), ("smollm2-135m-opd-gpu.yaml", ON_THE_CPU)])
+def test_the_shipped_stage_configs_parse_and_instantiate(stage_config, tmp_path, monkeypatch, name, overrides):
+    """configs/stages/*.yaml (outside configs/*.yaml: their init_from is a run's output) on a tiny stand-in."""
     _, sft = stage_config
-    path = Path(__file__).resolve().parents[1] / "configs" / "stages" / "tiny-opd.yaml"
-    cli = cli_main(["--config", str(path), f"--model.init_from={sft}", "--trainer.max_steps=1"], run=False)
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(root)  # the configs' paths are the repository's
+    cli = cli_main(["--config", str(root / "configs" / "stages" / name), f"--model.init_from={sft}",
+                    "--trainer.max_steps=1", f"--trainer.default_root_dir={tmp_path}", *overrides], run=False)
     assert cli.model.hparams.stage == "opd" and cli.model.replays and cli.model.opd_settings == OPDSettings()
+    assert cli.model.drafter_config.variant == "dflash"
 
 
 @pytest.mark.parametrize(("placement", "cache"), [("separate", None), ("engine", None), ("colocated", "cache/")])
