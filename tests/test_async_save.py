@@ -29,7 +29,7 @@ from dflash_lightning.long_runs.checkpointing import CheckpointError, load_check
 from dflash_lightning.long_runs.preemption import Preempted
 
 PLUGIN = "dflash_lightning.long_runs.async_save.AsyncAtomicCheckpointIO"
-GPU_CONFIGS = sorted(p for p in CONFIGS.glob("*.yaml")
+GPU_CONFIGS = sorted(p for p in [*CONFIGS.glob("*.yaml"), *CONFIGS.glob("stages/*.yaml")]  # the stages' too
                      if yaml.safe_load(p.read_text())["trainer"].get("accelerator") != "cpu")  # not tiny, smollm2
 EVENTS: list[tuple[float, str, str]] = []  # (time, what, file name) from the worker and the training thread
 
