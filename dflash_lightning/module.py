@@ -226,16 +226,16 @@ class DFlashModule(LightningModule):
                  target: Any = None, timed: bool = True) -> tuple[Tensor, dict[str, Tensor]]:
         """Draft-OPD's loss of one packed batch (docs/opd.md) and its logs: the drafter's greedy block at each anchor,
         the target's distribution at each slot (`target`, a FeatureExtractor: replayed on the drafts; None: the
-        row's own `final_hidden`), the accept mask, the acceptance-aware loss. `timed`: the rollout's seconds are
-        exact (a GPU is synchronised for them)."""
+        row's own `final_hidden`), the accept mask, the acceptance-aware loss. `timed`: the rollout's and the
+        forward's seconds are logged, exact (a GPU is synchronised for them); else no step waits for the GPU."""
         if "context_features" not in batch or "final_hidden" not in batch:
             raise RuntimeError("model.stage 'opd' needs 'context_features' and 'final_hidden' in each batch: add the "
                                "TargetFeatures callback (a feature cache must be written with --final_hidden true)")
-        buf, drafter, hp = self.buffers_, self.drafter, self.hparams
+        buf, drafter, shape = self.buffers_, self.drafter, self.settings.step
         buf.load(batch)
-        cfg, chunk = drafter.config, hp.head_chunk_size
+        cfg, chunk = drafter.config, shape.head_chunk_size
         B, layout = cfg.block_size, cfg.layout
-        anchors, valid = select_anchors(buf.loss_mask, buf.doc_ids, hp.num_anchors, generator)
+        anchors, valid = select_anchors(buf.loss_mask, buf.doc_ids, shape.num_anchors, generator)
         start = time.perf_counter()
         sft_weight = self.opd_settings.sft_weight
         if sft_weight:  # the supervised loss of the same blocks, beside the stage's: one drafter forward for both
@@ -268,10 +268,10 @@ class DFlashModule(LightningModule):
         if sft_weight:
             loss = loss + sft_weight * sft.loss
             logs["opd/sft"] = sft.loss.detach()
-        blocks = valid.sum().clamp_min(1)
-        logs |= {"opd/tau": 1 + (accepted & supervised).sum() / blocks,  # greedy verification's, on-policy
-                 "opd/rollout_s": torch.tensor(rollout, device=loss.device),  # beside device values: one copy
-                 "opd/forward_s": torch.tensor(time.perf_counter() - start, device=loss.device)}
+        logs["opd/tau"] = 1 + (accepted & supervised).sum() / valid.sum().clamp_min(1)  # greedy verification's
+        if timed:  # a host value to the device waits for the GPU: on measured steps only, beside device values
+            logs |= {"opd/rollout_s": torch.tensor(rollout, device=loss.device),
+                     "opd/forward_s": torch.tensor(time.perf_counter() - start, device=loss.device)}
         return loss, logs
 
     def _replay_target(self) -> Any:
